@@ -1,0 +1,1 @@
+"""The engine: requests, the prefix-aware scheduler and the step loop."""

@@ -1,0 +1,97 @@
+"""The per-step batch the runner builds once and every layer reads.
+
+A batch is a list of sequences. Each sequence has `prefix_len` tokens whose
+K/V already sit in the pool and `extend_len` new tokens (a decode is an extend
+of 1; a plain prefill has prefix 0). Its `kv_slots` list the pool slots of all
+`prefix_len + extend_len` tokens in order; the last `extend_len` of them
+receive the new tokens' K/V.
+
+    sequence i:  kv_slots[i] = [ s0 s1 ... s(p-1) | n0 n1 ... n(e-1) ]
+                                 prefix (cached)     new: written this step
+    new tokens of all sequences, concatenated:  input_ids / positions / out_slots
+    qo_indptr[i] .. qo_indptr[i+1]  = rows of sequence i in the new tokens
+    kv_indptr[i] .. kv_indptr[i+1]  = its slots in kv_indices
+
+It is passed explicitly to the model and the attention backend; there is no
+global "current batch".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    out_slots: torch.Tensor  # [num_tokens] int64, pool slot of each new token
+    prefix_lens: tuple[int, ...]
+    extend_lens: tuple[int, ...]
+    kv_indices: torch.Tensor  # [sum(seq_lens)] int64, slots of every sequence, concatenated
+    qo_indptr: torch.Tensor  # [num_seqs + 1] int64, on the CPU
+    kv_indptr: torch.Tensor  # [num_seqs + 1] int64, on the CPU
+
+    @classmethod
+    def build(
+        cls,
+        new_token_ids: Sequence[Sequence[int]],
+        prefix_lens: Sequence[int],
+        kv_slots: Sequence[torch.Tensor],
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Assemble a batch from per-sequence new tokens, prefix lengths and slot lists."""
+        if not (len(new_token_ids) == len(prefix_lens) == len(kv_slots)) or not new_token_ids:
+            raise ValueError("new_token_ids, prefix_lens and kv_slots need one entry per sequence")
+        extend_lens = tuple(len(ids) for ids in new_token_ids)
+        prefix_lens = tuple(int(p) for p in prefix_lens)
+        for i, (p, e, slots) in enumerate(zip(prefix_lens, extend_lens, kv_slots)):
+            if e < 1:
+                raise ValueError(f"sequence {i} has no new tokens")
+            if slots.numel() != p + e:
+                raise ValueError(
+                    f"sequence {i}: kv_slots has {slots.numel()} entries, expected prefix {p} + new {e}"
+                )
+        flat_ids = [t for ids in new_token_ids for t in ids]
+        positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)])
+        kv_indices = torch.cat([s.to(torch.int64).cpu() for s in kv_slots])
+        seq_lens = torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens)])
+        kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+        kv_indptr[1:] = seq_lens.cumsum(0)
+        qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+        qo_indptr[1:] = torch.tensor(extend_lens).cumsum(0)
+        out_slots = torch.cat([s.to(torch.int64).cpu()[p:] for p, s in zip(prefix_lens, kv_slots)])
+        return cls(
+            input_ids=torch.tensor(flat_ids, dtype=torch.int64, device=device),
+            positions=positions.to(device),
+            out_slots=out_slots.to(device),
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            kv_indices=kv_indices.to(device),
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(p + e for p, e in zip(self.prefix_lens, self.extend_lens))
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(e == 1 for e in self.extend_lens)
+
+    @property
+    def last_token_rows(self) -> torch.Tensor:
+        """Row of each sequence's last new token in the flattened new tokens."""
+        return self.qo_indptr[1:] - 1
