@@ -1,0 +1,90 @@
+"""Everything a Runtime can be configured with, in one documented dataclass.
+
+Names follow SGLang's server arguments where one exists, so that a user of
+SGLang can carry their settings over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class RuntimeConfig:
+    """Runtime settings.
+
+    device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
+    dtype: "auto" (bfloat16 on cuda; on cpu the model's fastest exact-enough
+        choice, see docs/model.md), "float32", "bfloat16", "float16".
+    page_size: tokens per KV page; the radix tree caches whole pages only.
+    max_total_tokens: KV pool size in tokens. When None it is derived from
+        `kv_memory_fraction` of free GPU memory on cuda, or from
+        `kv_memory_bytes` on cpu.
+    kv_memory_fraction: share of free GPU memory (after weights) for the KV pool.
+    kv_memory_bytes: KV pool budget in bytes on cpu.
+    attention_backend: "auto" | "torch" | "triton" | "flashinfer".
+    schedule_policy: "lpm" (longest cached prefix first), "dfs-weight" or "fcfs".
+    disable_radix_cache: never reuse KV across requests (the baseline).
+    chunked_prefill_size: the most prompt tokens one request computes in one step.
+    max_running_requests: the most requests decoding at once.
+    max_prefill_tokens: the most prompt tokens computed in one step, all requests together.
+    new_token_reserve_ratio: share of each running request's remaining
+        max_new_tokens kept free for its future decode tokens when admitting
+        new prompts; too low retracts more, too high admits fewer.
+    check_invariants: check tree, pool and request bookkeeping after every step (tests).
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    page_size: int = 1
+    max_total_tokens: int | None = None
+    kv_memory_fraction: float = 0.85
+    kv_memory_bytes: int = 1 << 30
+    attention_backend: str = "auto"
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    chunked_prefill_size: int = 2048
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192
+    new_token_reserve_ratio: float = 0.3
+    check_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        _require_int("page_size", self.page_size, 1)
+        if self.max_total_tokens is not None:
+            _require_int("max_total_tokens", self.max_total_tokens, 1)
+        _require_int("kv_memory_bytes", self.kv_memory_bytes, 1)
+        _require_int("chunked_prefill_size", self.chunked_prefill_size, 1)
+        _require_int("max_running_requests", self.max_running_requests, 1)
+        _require_int("max_prefill_tokens", self.max_prefill_tokens, 1)
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
+        if not 0.0 <= self.new_token_reserve_ratio <= 1.0:
+            raise ValueError(f"new_token_reserve_ratio must be in [0, 1], got {self.new_token_reserve_ratio!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if not (self.device in DEVICES or str(self.device).startswith("cuda:")):
+            raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "RuntimeConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown Runtime option(s) {unknown}; accepted: {sorted(known)}")
+        return cls(**kwargs)
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
