@@ -1,0 +1,78 @@
+"""The `radixrt` command: generate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixrt", description="A RadixAttention inference runtime.")
+    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--disable-radix-cache", action="store_true")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="complete a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message with the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
+
+    commands.add_parser("demo", help="the table example: a long shared prefix hit by a second question")
+
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from radixrt.runtime import Runtime
+
+    try:
+        runtime = Runtime(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            page_size=args.page_size,
+            disable_radix_cache=args.disable_radix_cache,
+        )
+    except (ValueError, FileNotFoundError) as error:
+        print(f"radixrt: {error}", file=sys.stderr)
+        return 2
+    with runtime:
+        if args.command == "demo":
+            from radixrt.demo import run_demo
+
+            run_demo(runtime)
+            return 0
+        params = {
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
+        }
+        prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+        try:
+            if args.json:
+                print(json.dumps(runtime.generate(prompt, params), indent=2))
+            else:
+                for chunk in runtime.generate(prompt, params, stream=True):
+                    print(chunk["text"], end="", flush=True)
+                print()
+        except ValueError as error:
+            print(f"radixrt: {error}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
