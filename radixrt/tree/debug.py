@@ -1,0 +1,99 @@
+"""Integrity check and readable dump of a RadixTree.
+
+Kept apart from the tree's hot paths: both walk every node, and tests call
+`check_invariants` after every step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixrt.tree.keys import TOKEN_BYTES
+from radixrt.tree.node import TreeNode
+
+if TYPE_CHECKING:
+    from radixrt.tree.radix_tree import RadixTree
+
+_SHOWN_HEAD = 4
+_SHOWN_TAIL = 2
+
+
+def check_invariants(tree: RadixTree) -> None:
+    """Assert the tree's structure, sizes, locks, LRU index and slot ownership."""
+    page_bytes = tree._page_bytes
+    seen: set[int] = set()
+    slots: list[torch.Tensor] = []
+    evictable = protected = filed = 0
+    for namespace, root in tree._roots.items():
+        assert root.parent is None and root.key == b"" and root.num_tokens == 0
+        assert root.namespace == namespace or root.namespace is namespace
+        assert root.lock_ref >= 0, "negative lock count on a root"
+        assert root.node_id not in seen
+        seen.add(root.node_id)
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for first_page, child in node.children.items():
+                assert child.parent is node, "child's parent link is wrong"
+                assert child.node_id not in seen, "node reachable twice"
+                seen.add(child.node_id)
+                assert child.key, "empty edge below a root"
+                assert len(child.key) % page_bytes == 0, "edge is not whole pages"
+                assert child.key[:page_bytes] == first_page, "child filed under a wrong first page"
+                assert child.num_tokens == len(child.key) // TOKEN_BYTES
+                assert child.value.dtype == torch.int64 and child.value.dim() == 1
+                assert child.value.numel() == child.num_tokens, "slots and tokens differ in length"
+                assert 0 <= child.lock_ref <= node.lock_ref, "lock count below a child's or < 0"
+                if node.parent is not None:
+                    assert child.last_access <= node.last_access, "child used after its parent"
+                if child.lock_ref:
+                    protected += child.num_tokens
+                else:
+                    evictable += child.num_tokens
+                if not child.children and not child.lock_ref:
+                    assert 0 <= child.lru_stamp <= child.last_access, "evictable leaf not filed"
+                if child.lru_stamp >= 0:
+                    filed += 1
+                slots.append(child.value)
+                stack.append(child)
+    assert evictable == tree._evictable_tokens, "evictable_tokens is off"
+    assert protected == tree._protected_tokens, "protected_tokens is off"
+    assert len(tree._lru) == filed, "LRU list and node stamps disagree"
+    for stamp, node_id, node in tree._lru:
+        assert node.lru_stamp == stamp and node.node_id == node_id and node_id in seen
+    if slots:
+        all_slots = torch.cat(slots)
+        assert torch.unique(all_slots).numel() == all_slots.numel(), "a slot is held twice"
+
+
+def pretty(tree: RadixTree) -> str:
+    """One line per node, indented as a tree, children ordered by first token."""
+    lines = [
+        f"RadixTree(page_size={tree.page_size}): {tree.total_tokens} tokens, "
+        f"{tree.evictable_tokens} evictable, {tree.protected_tokens} protected"
+    ]
+    for namespace, root in tree._roots.items():
+        lines.append(f"namespace {namespace!r}: root lock={root.lock_ref}")
+        _pretty_children(root, "", lines)
+    return "\n".join(lines)
+
+
+def _pretty_children(node: TreeNode, indent: str, lines: list[str]) -> None:
+    children = sorted(node.children.values(), key=lambda child: child.tokens()[0])
+    for position, child in enumerate(children):
+        last = position == len(children) - 1
+        lines.append(
+            f"{indent}{'`-- ' if last else '|-- '}{_abbreviate(child.tokens())} "
+            f"len={child.num_tokens} lock={child.lock_ref} t={child.last_access}"
+        )
+        _pretty_children(child, indent + ("    " if last else "|   "), lines)
+
+
+def _abbreviate(tokens: list[int]) -> str:
+    if len(tokens) <= _SHOWN_HEAD + _SHOWN_TAIL + 1:
+        return "[" + " ".join(map(str, tokens)) + "]"
+    head = " ".join(map(str, tokens[:_SHOWN_HEAD]))
+    tail = " ".join(map(str, tokens[-_SHOWN_TAIL:]))
+    return f"[{head} ... {tail}]"

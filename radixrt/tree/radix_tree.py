@@ -1,0 +1,303 @@
+"""A token-level radix tree of KV-cache slots, shared across requests.
+
+Ownership rule: the tree owns the slot indices stored in its nodes. A request
+that matched a prefix borrows those slots and may use them only while it holds
+a lock on `MatchResult.last_node`; `evict` hands unlocked slots back to the
+caller, who returns them to the `PagePool`. `insert` copies the slots it keeps;
+for the tokens that were already cached it keeps its own slots, and the caller
+frees its duplicates.
+
+Page rule: with `page_size > 1` the tree stores only whole pages. Keys are cut
+to `len(tokens) // page_size * page_size` tokens, matches are whole pages, and
+edges split only at page boundaries, so every node's slots are whole pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+from sortedcontainers import SortedList
+
+from radixrt.tree import debug
+from radixrt.tree.keys import TOKEN_BYTES, Tokens, common_prefix_pages, pack_tokens
+from radixrt.tree.node import MatchResult, TreeNode
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+class RadixTree:
+    """Prefix cache: token sequences -> KV slots, with LRU eviction of leaves.
+
+    Each namespace (any hashable, e.g. a tenant salt; None by default) has its
+    own root, so equal tokens under different namespaces never match.
+
+    Eviction order is least recently used first, where "used" is the last
+    `match_prefix` or `insert` whose path covered the node. Nodes record that
+    time on the walk; the sorted list of evictable leaves, keyed by
+    (last_access, node_id), is only brought up to date inside `evict`, so a
+    match costs no sorted-list work at all.
+    """
+
+    def __init__(self, page_size: int = 1):
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        self.page_size = page_size
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._roots: dict[Hashable, TreeNode] = {}
+        # Evictable leaves as (lru_stamp, node_id, node); see _file_if_evictable.
+        self._lru: SortedList = SortedList()
+        self._clock = 0
+        self._next_id = 0
+        self._evictable_tokens = 0
+        self._protected_tokens = 0
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def total_tokens(self) -> int:
+        """Tokens (= slots) held by the tree."""
+        return self._evictable_tokens + self._protected_tokens
+
+    @property
+    def evictable_tokens(self) -> int:
+        """Tokens on nodes that no lock covers."""
+        return self._evictable_tokens
+
+    @property
+    def protected_tokens(self) -> int:
+        """Tokens on locked paths: `evict` never frees them."""
+        return self._protected_tokens
+
+    # -------------------------------------------------------------- matching
+    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
+        """The longest cached whole-page prefix of `tokens`.
+
+        Refreshes the access time of the matched path. Where the match ends
+        inside an edge the node is split, so `last_node` ends exactly at the
+        match; with nothing matched it is the namespace's root.
+        """
+        query = self._whole_pages(pack_tokens(tokens))
+        node = self._root(namespace)
+        self._clock += 1
+        clock, page_bytes, end = self._clock, self._page_bytes, len(query)
+        parts: list[torch.Tensor] = []
+        offset = 0
+        while offset < end:
+            child = node.children.get(query[offset : offset + page_bytes])
+            if child is None:
+                break
+            if query.startswith(child.key, offset):
+                child.last_access = clock
+                parts.append(child.value)
+                offset += len(child.key)
+                node = child
+                continue
+            matched = common_prefix_pages(query, offset, child.key, page_bytes) * page_bytes
+            node = self._split(child, matched)
+            node.last_access = clock
+            parts.append(node.value)
+            offset += matched
+            break
+        return MatchResult(offset // TOKEN_BYTES, node, parts)
+
+    def insert(self, tokens: Tokens, indices: torch.Tensor, namespace: Hashable = None) -> int:
+        """Cache `tokens` -> `indices`; return how many leading tokens were cached.
+
+        `indices` is a 1-D int64 tensor with one slot per token. The tree
+        copies the slots of the tokens it did not have (whole pages only) and
+        keeps its own slots for the returned number of leading tokens: the
+        caller frees `indices[:returned]` where they differ from the tree's,
+        and any tail beyond the last whole page stays the caller's.
+        """
+        packed = pack_tokens(tokens)
+        num_tokens = len(packed) // TOKEN_BYTES
+        if not isinstance(indices, torch.Tensor):
+            raise ValueError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+        if indices.dim() != 1 or indices.dtype != torch.int64:
+            raise ValueError(
+                f"indices must be a 1-D int64 tensor, got {indices.dim()}-D {indices.dtype}"
+            )
+        if indices.numel() != num_tokens:
+            raise ValueError(
+                f"indices must have one slot per token: {num_tokens} tokens, "
+                f"{indices.numel()} indices"
+            )
+        query = self._whole_pages(packed)
+        node = self._root(namespace)
+        self._clock += 1
+        clock, page_bytes, end = self._clock, self._page_bytes, len(query)
+        offset = 0
+        while offset < end:
+            first_page = query[offset : offset + page_bytes]
+            child = node.children.get(first_page)
+            if child is None:
+                self._add_leaf(node, first_page, query[offset:], indices, offset, end)
+                break
+            if query.startswith(child.key, offset):
+                child.last_access = clock
+                offset += len(child.key)
+                node = child
+                continue
+            matched = common_prefix_pages(query, offset, child.key, page_bytes) * page_bytes
+            node = self._split(child, matched)
+            node.last_access = clock
+            offset += matched
+        return offset // TOKEN_BYTES
+
+    # --------------------------------------------------------------- locking
+    def lock(self, node: TreeNode) -> None:
+        """Protect the path root..`node` from eviction (a reference count)."""
+        self._walk_locks(node, +1)
+
+    def unlock(self, node: TreeNode) -> None:
+        """Release one `lock(node)`; the path becomes evictable at count 0."""
+        if not isinstance(node, TreeNode):
+            raise ValueError(f"unlock needs a TreeNode, got {type(node).__name__}")
+        if node.lock_ref <= 0:
+            raise ValueError(f"unlock of a node that is not locked: {node!r}")
+        self._walk_locks(node, -1)
+        if node.parent is not None:
+            self._file_if_evictable(node)
+
+    def _walk_locks(self, node: TreeNode, delta: int) -> None:
+        if not isinstance(node, TreeNode):
+            raise ValueError(f"lock needs a TreeNode, got {type(node).__name__}")
+        self._add_to_path(node, delta)
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if self._roots.get(top.namespace) is not top:
+            self._add_to_path(node, -delta)
+            raise ValueError(
+                f"{node!r} is not in this tree (it was evicted, or the tree reset)"
+            )
+
+    def _add_to_path(self, node: TreeNode | None, delta: int) -> None:
+        # Moves a node's tokens between evictable and protected exactly when
+        # its count leaves or reaches zero.
+        while node is not None:
+            if node.lock_ref == 0:
+                self._evictable_tokens -= node.num_tokens
+                self._protected_tokens += node.num_tokens
+            node.lock_ref += delta
+            if node.lock_ref == 0:
+                self._protected_tokens -= node.num_tokens
+                self._evictable_tokens += node.num_tokens
+            node = node.parent
+
+    # -------------------------------------------------------------- eviction
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Free at least `num_tokens` slots, least recently used leaves first.
+
+        Removes whole unlocked leaves (a parent left childless becomes a
+        leaf in turn) until enough slots are freed or nothing evictable is
+        left; returns the freed slots, whole pages, in eviction order. The
+        caller now owns them and returns them to its pool. A huge count
+        empties everything evictable.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        lru, page_bytes = self._lru, self._page_bytes
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        while num_freed < num_tokens and lru:
+            stamp, node_id, node = lru.pop(0)
+            if node.children or node.lock_ref:
+                node.lru_stamp = -1  # no longer an evictable leaf; refiled when it is again
+                continue
+            if node.last_access != stamp:
+                node.lru_stamp = node.last_access  # used since it was filed
+                lru.add((node.last_access, node_id, node))
+                continue
+            node.lru_stamp = -1
+            parent = node.parent
+            del parent.children[node.key[:page_bytes]]
+            node.parent = None
+            freed.append(node.value)
+            num_freed += node.num_tokens
+            self._evictable_tokens -= node.num_tokens
+            if parent.parent is not None:
+                self._file_if_evictable(parent)
+        return torch.cat(freed) if freed else _NO_SLOTS.clone()
+
+    def reset(self) -> None:
+        """Drop every node; every handle dies. The caller resets its pool."""
+        self._roots = {}
+        self._lru = SortedList()
+        self._evictable_tokens = 0
+        self._protected_tokens = 0
+
+    # ------------------------------------------------------------- debugging
+    def check_invariants(self) -> None:
+        """Assert every structural invariant (see `radixrt.tree.debug`)."""
+        debug.check_invariants(self)
+
+    def pretty(self) -> str:
+        """A readable dump: abbreviated tokens, sizes, lock counts, access times."""
+        return debug.pretty(self)
+
+    # ------------------------------------------------------------- internals
+    def _whole_pages(self, packed: bytes) -> bytes:
+        cut = len(packed) - len(packed) % self._page_bytes
+        return packed if cut == len(packed) else packed[:cut]
+
+    def _root(self, namespace: Hashable) -> TreeNode:
+        try:
+            root = self._roots.get(namespace)
+        except TypeError:
+            raise ValueError(
+                f"namespace must be hashable, got {type(namespace).__name__}"
+            ) from None
+        if root is None:
+            root = TreeNode(None, b"", _NO_SLOTS, 0, self._new_id(), namespace)
+            self._roots[namespace] = root
+        return root
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _add_leaf(
+        self,
+        parent: TreeNode,
+        first_page: bytes,
+        key: bytes,
+        indices: torch.Tensor,
+        start: int,
+        end: int,
+    ) -> None:
+        # Copy, so the caller may reuse its tensor (e.g. a request-table row).
+        value = indices[start // TOKEN_BYTES : end // TOKEN_BYTES].clone()
+        leaf = TreeNode(parent, key, value, self._clock, self._new_id())
+        parent.children[first_page] = leaf
+        self._evictable_tokens += leaf.num_tokens
+        self._file_if_evictable(leaf)
+
+    def _split(self, child: TreeNode, matched_bytes: int) -> TreeNode:
+        """Cut `child`'s edge after `matched_bytes`; return the new upper node.
+
+        The new node becomes the parent and takes the front of the edge, so
+        `child` (and any handle to it) keeps ending where it ended.
+        """
+        matched = matched_bytes // TOKEN_BYTES
+        key, page_bytes = child.key, self._page_bytes
+        upper = TreeNode(
+            child.parent, key[:matched_bytes], child.value[:matched], child.last_access, self._new_id()
+        )
+        upper.lock_ref = child.lock_ref
+        upper.children[key[matched_bytes : matched_bytes + page_bytes]] = child
+        child.parent.children[key[:page_bytes]] = upper
+        child.parent = upper
+        child.key = key[matched_bytes:]
+        child.value = child.value[matched:]
+        child.num_tokens -= matched
+        return upper
+
+    def _file_if_evictable(self, node: TreeNode) -> None:
+        # Each node is filed at most once, under a stamp <= its last_access.
+        # `evict` drops entries whose node stopped being an evictable leaf
+        # and refiles those used since, so the first entry that survives is
+        # the true LRU leaf (ties broken by node_id).
+        if node.lru_stamp < 0 and not node.children and node.lock_ref == 0:
+            node.lru_stamp = node.last_access
+            self._lru.add((node.last_access, node.node_id, node))
