@@ -1,0 +1,197 @@
+"""Attention backend on FlashInfer's paged wrappers: the fast GPU path.
+
+API targeted: flashinfer-python 0.7.2.post1 (the newest on PyPI when written),
+read from its wheel's `flashinfer/prefill.py` and `flashinfer/decode.py`:
+
+- `BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout="NHD")`,
+  `.plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+  num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal, pos_encoding_mode,
+  sm_scale, q_data_type, kv_data_type, ...)`, `.run(q, (k_cache, v_cache))`.
+  With `causal=True` a query row j of a request with qo_len new and kv_len total
+  tokens sees kv positions <= j + kv_len - qo_len (prefill.cuh aligns the mask
+  bottom-right): exactly our causal mask offset by the prefix length.
+- `BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout="NHD",
+  use_tensor_cores=...)`, `.plan(indptr, indices, last_page_len, num_qo_heads,
+  num_kv_heads, head_dim, page_size, *, pos_encoding_mode, sm_scale,
+  q_data_type, kv_data_type, ...)` (options after page_size are keyword-only in
+  0.7: passing them positionally is deprecated), `.run(q, (k_cache, v_cache))`.
+
+The pool is FlashInfer's "NHD" paged layout already: `k[layer]` viewed as
+[num_pages, page_size, H, D]. A sequence's page list is every page_size-th
+entry of its slot list divided by page_size (the engine hands out whole pages
+in order), and its last page holds seq_len - (num_pages - 1) * page_size tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from radixrt.kernels.base import AttentionBackend
+from radixrt.memory.kv_cache import KVCache
+from radixrt.model.forward_batch import ForwardBatch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
+# The CUDA-core decode kernel is compiled for group sizes 1, 2, 3, 4, 6, 8, 16
+# only (DISPATCH_GQA_GROUP_SIZE); the tensor-core path takes any group and is
+# the faster one from a group of 4 on (SGLang uses the same threshold).
+TENSOR_CORE_DECODE_MIN_GROUP = 4
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """FlashInfer's CSR page table for a subset of a batch's sequences.
+
+    indptr and last_page_len stay on the host: plan() reads them there to
+    schedule work and copies them to the device itself, so handing it device
+    tensors would only add a device-to-host sync per step.
+    """
+
+    indptr: torch.Tensor  # [n + 1] int32, host
+    indices: torch.Tensor  # [indptr[-1]] int32, device: page ids
+    last_page_len: torch.Tensor  # [n] int32, host, in 1 .. page_size
+
+
+def build_page_table(batch: ForwardBatch, seq_ids: Sequence[int], page_size: int) -> PageTable:
+    """Page table of the sequences `seq_ids` of `batch` (their slots are whole pages in order)."""
+    kv_indptr = batch.kv_indptr.tolist()
+    num_pages = [-(-batch.seq_lens[i] // page_size) for i in seq_ids]
+    indptr = torch.zeros(len(seq_ids) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)
+    last_page_len = torch.tensor(
+        [batch.seq_lens[i] - (n - 1) * page_size for i, n in zip(seq_ids, num_pages)], dtype=torch.int32
+    )
+    # Position in kv_indices of the first slot of every page.
+    first_slot = torch.cat(
+        [kv_indptr[i] + torch.arange(n, dtype=torch.int64) * page_size for i, n in zip(seq_ids, num_pages)]
+    )
+    indices = (batch.kv_indices[first_slot.to(batch.kv_indices.device)] // page_size).to(torch.int32)
+    return PageTable(indptr=indptr, indices=indices, last_page_len=last_page_len)
+
+
+@dataclass(frozen=True)
+class FlashInferPlan:
+    """Which rows of q go to which wrapper; None when that wrapper takes every row
+    (a pure prefill or pure decode step needs no gather). The wrappers themselves
+    hold the rest of the plan."""
+
+    extend_rows: torch.Tensor | None
+    decode_rows: torch.Tensor | None
+    has_extend: bool
+    has_decode: bool
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    """Paged prefill wrapper for extend sequences, paged decode wrapper for decode ones.
+
+    Ownership: the wrappers keep the latest plan internally, so a plan object is
+    valid only until the next `plan()` call; the runner plans once per step and
+    runs every layer of that step before planning the next.
+    """
+
+    name = "flashinfer"
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int = 1,
+        *,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    ):
+        super().__init__(kv_cache, num_q_heads, num_kv_heads, head_dim, page_size)
+        _check_config(kv_cache, num_q_heads, num_kv_heads, head_dim, page_size)
+        try:
+            import flashinfer
+        except ImportError as error:
+            raise ImportError("the flashinfer attention backend needs the `flashinfer-python` package") from error
+        if workspace_bytes < 2 * 1024 * 1024 or workspace_bytes % 32:
+            raise ValueError(f"workspace_bytes must be >= 2 MiB and a multiple of 32, got {workspace_bytes}")
+        self.dtype = kv_cache.shape.dtype
+        self.num_pages = kv_cache.num_slots // page_size
+        # One allocation, split in two: each wrapper keeps split-K partial results
+        # in its own half, so the two never share scratch even within a step.
+        # Zeroed because the decode wrapper asks for a zeroed buffer on first use.
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=kv_cache.device)
+        half = workspace_bytes // 2
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace[:half], "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace[half:],
+            "NHD",
+            use_tensor_cores=num_q_heads // num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP,
+        )
+
+    def plan(self, batch: ForwardBatch) -> FlashInferPlan:
+        decode_ids = [i for i, e in enumerate(batch.extend_lens) if e == 1]
+        extend_ids = [i for i, e in enumerate(batch.extend_lens) if e > 1]
+        mixed = bool(decode_ids) and bool(extend_ids)
+        if extend_ids:
+            table = build_page_table(batch, extend_ids, self.page_size)
+            qo_indptr = torch.zeros(len(extend_ids) + 1, dtype=torch.int32)
+            qo_indptr[1:] = torch.tensor([batch.extend_lens[i] for i in extend_ids], dtype=torch.int32).cumsum(0)
+            self._prefill.plan(
+                qo_indptr, table.indptr, table.indices, table.last_page_len,
+                self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
+                q_data_type=self.dtype, kv_data_type=self.dtype,
+            )
+        if decode_ids:
+            table = build_page_table(batch, decode_ids, self.page_size)
+            self._decode.plan(
+                table.indptr, table.indices, table.last_page_len,
+                self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                pos_encoding_mode="NONE", sm_scale=self.scale,
+                q_data_type=self.dtype, kv_data_type=self.dtype,
+            )
+        return FlashInferPlan(
+            extend_rows=_token_rows(batch, extend_ids) if mixed else None,
+            decode_rows=_token_rows(batch, decode_ids) if mixed else None,
+            has_extend=bool(extend_ids),
+            has_decode=bool(decode_ids),
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, plan: FlashInferPlan
+    ) -> torch.Tensor:
+        self.kv_cache.store(layer, batch.out_slots, k, v)
+        usable = self.num_pages * self.page_size
+        paged_kv = (
+            self.kv_cache.k[layer][:usable].view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim),
+            self.kv_cache.v[layer][:usable].view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim),
+        )
+        q_in = q.to(self.dtype).contiguous()
+        if not plan.has_decode:
+            out = self._prefill.run(q_in, paged_kv)
+        elif not plan.has_extend:
+            out = self._decode.run(q_in, paged_kv)
+        else:
+            out = torch.empty_like(q_in)
+            out[plan.extend_rows] = self._prefill.run(q_in[plan.extend_rows], paged_kv)
+            out[plan.decode_rows] = self._decode.run(q_in[plan.decode_rows], paged_kv)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _token_rows(batch: ForwardBatch, seq_ids: Sequence[int]) -> torch.Tensor:
+    """Rows of q (this step's new tokens) that belong to the sequences `seq_ids`, on the device."""
+    qo_indptr = batch.qo_indptr.tolist()
+    rows = torch.cat([torch.arange(qo_indptr[i], qo_indptr[i + 1]) for i in seq_ids])
+    return rows.to(batch.kv_indices.device, non_blocking=True)
+
+
+def _check_config(kv_cache: KVCache, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    if num_kv_heads != kv_cache.shape.num_kv_heads or head_dim != kv_cache.shape.head_dim:
+        raise ValueError(
+            f"num_kv_heads/head_dim ({num_kv_heads}, {head_dim}) must match the KV cache "
+            f"({kv_cache.shape.num_kv_heads}, {kv_cache.shape.head_dim})"
+        )
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if kv_cache.shape.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"kv_cache dtype must be one of {SUPPORTED_DTYPES}, got {kv_cache.shape.dtype}")

@@ -1,0 +1,355 @@
+"""Triton kernels for attention over the slot-addressed KV pool.
+
+Three kernels, all reading K/V through explicit slot indices (`kv_indices`), so
+the page size never enters them: a page of P slots is just P consecutive
+entries of a sequence's slot list.
+
+- `_decode_partial_kernel` (split-K, pass 1): one program per
+  (decode sequence, kv head, block of that kv head's q heads, KV split). It
+  loads K/V of its kv head once for the whole group of q heads (GQA) and
+  writes a partial output normalised within its split plus the split's
+  log-sum-exp (base 2).
+- `_decode_merge_kernel` (split-K, pass 2): merges the splits of one
+  (sequence, q head) by their log-sum-exp and writes the final row.
+- `_extend_kernel`: one program per (extend sequence, q head, block of new
+  tokens). Phase 1 attends the cached prefix, gathered from the pool by slot,
+  with no mask; phase 2 attends the sequence's new tokens, read contiguously
+  from this step's K/V, under the causal mask `new key n <= new query j`
+  (that is, absolute position n <= prefix_len + j).
+
+Everything accumulates in fp32; inputs may be fp16, bf16 or fp32. Softmax uses
+exp2 with the scale pre-multiplied by log2(e), the usual flash-attention trick.
+This module imports triton at the top: it is only imported once the triton
+backend has been chosen.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+# The merge kernel reads the split axis as one block of this many entries, so
+# it compiles once however many splits a step uses.
+MAX_KV_SPLITS = 16
+
+
+@triton.jit
+def _decode_partial_kernel(
+    Q, K_cache, V_cache, kv_indices,
+    q_rows, kv_starts, seq_lens,
+    Mid_O, Mid_LSE,
+    num_splits, qk_scale_log2,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_mo_n, stride_mo_h, stride_mo_s,
+    stride_ml_n, stride_ml_h,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+
+    offs_g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # index inside the group
+    mask_h = offs_g < GROUP
+    q_heads = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    q_row = tl.load(q_rows + seq).to(tl.int64)  # row * stride can pass 2**31
+    kv_start = tl.load(kv_starts + seq)
+    seq_len = tl.load(seq_lens + seq)
+    # Splits are whole BLOCK_N tiles; trailing splits of a short sequence are
+    # empty, write nothing, and the merge kernel skips them by the same formula.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_start = split * split_len
+    split_end = tl.minimum(split_start + split_len, seq_len)
+
+    if split_end > split_start:
+        q = tl.load(
+            Q + q_row * stride_qt + q_heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        # The first tile of a non-empty split has a valid key for every row, so
+        # m_i is finite after it and exp2(m_i - m_new) never sees -inf - -inf.
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for n0 in range(split_start, split_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < split_end
+            slots = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(
+                K_cache + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            )
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            v = tl.load(
+                V_cache + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        tl.store(
+            Mid_O + seq * stride_mo_n + q_heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
+            acc / l_i[:, None],
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
+        tl.store(
+            Mid_LSE + seq * stride_ml_n + q_heads * stride_ml_h + split,
+            m_i + tl.log2(l_i),
+            mask=mask_h,
+        )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Mid_O, Mid_LSE, Out,
+    q_rows, seq_lens,
+    num_splits,
+    stride_mo_n, stride_mo_h, stride_mo_s,
+    stride_ml_n, stride_ml_h,
+    stride_ot, stride_oh,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(q_rows + seq).to(tl.int64)
+    seq_len = tl.load(seq_lens + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+    offs_s = tl.arange(0, BLOCK_S)
+    # Empty splits were never written: mask them out instead of reading garbage.
+    mask_s = (offs_s < num_splits) & (offs_s * split_len < seq_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    lse = tl.load(Mid_LSE + seq * stride_ml_n + head * stride_ml_h + offs_s, mask=mask_s, other=float("-inf"))
+    weights = tl.where(mask_s, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    parts = tl.load(
+        Mid_O + seq * stride_mo_n + head * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    out = tl.sum(weights[:, None] * parts, 0) / tl.sum(weights, 0)
+    tl.store(Out + q_row * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K_new, V_new, K_cache, V_cache, kv_indices, Out,
+    q_starts, extend_lens, prefix_lens, kv_starts,
+    qk_scale_log2,
+    stride_qt, stride_qh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    kv_head = head // GROUP
+
+    extend_len = tl.load(extend_lens + seq)
+    if m_block * BLOCK_M < extend_len:
+        q_start = tl.load(q_starts + seq).to(tl.int64)  # row * stride can pass 2**31
+        prefix_len = tl.load(prefix_lens + seq)
+        kv_start = tl.load(kv_starts + seq)
+
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < extend_len
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(
+            Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        # Both phases begin with a tile holding a valid key for every row (any
+        # prefix key; new key 0), so m_i is finite after the first tile.
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        # Phase 1: the cached prefix, gathered from the pool; every query sees all of it.
+        for n0 in range(0, prefix_len, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < prefix_len
+            slots = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(
+                K_cache + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            )
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            v = tl.load(
+                V_cache + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        # Phase 2: this step's new tokens, causal; keys past this block's last
+        # query are never visible, so the loop stops there.
+        new_end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
+        for n0 in range(0, new_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < extend_len
+            k = tl.load(
+                K_new + (q_start + offs_n)[None, :] * stride_knt + kv_head * stride_knh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            )
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
+            visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            v = tl.load(
+                V_new + (q_start + offs_n)[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        tl.store(
+            Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            (acc / l_i[:, None]).to(Out.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+
+
+def decode_block_h(group: int) -> int:
+    """q heads per decode program: tl.dot needs at least 16 rows, so a group
+    smaller than that leaves rows idle. That costs compute only; decode is bound
+    by reading each kv head's K/V once, which the grouping guarantees."""
+    return max(16, min(64, triton.next_power_of_2(group)))
+
+
+def decode_head_blocks(group: int) -> int:
+    """Programs per kv head along the q-head axis (more than one only past 64 q heads per kv head)."""
+    return triton.cdiv(group, decode_block_h(group))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs would silently drop to tf32 on tensor cores; keep them exact."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    q_rows: torch.Tensor,
+    kv_starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mid_out: torch.Tensor,
+    mid_lse: torch.Tensor,
+    out: torch.Tensor,
+    sm_scale: float,
+    block_n: int = 64,
+) -> None:
+    """Attend one query row per decode sequence; writes rows `q_rows` of `out`.
+
+    q/out: [T, Hq, D]; k_cache/v_cache: [num_slots, Hkv, D]; q_rows, kv_starts,
+    seq_lens: [n] (row in q, offset of the sequence's slots in kv_indices, its
+    length); mid_out [n, Hq, S, D] and mid_lse [n, Hq, S] are fp32 scratch whose
+    split count S (<= MAX_KV_SPLITS) is the number of splits used.
+    """
+    num_seqs = q_rows.numel()
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    num_splits = mid_out.shape[2]
+    block_h = decode_block_h(group)
+    head_blocks = decode_head_blocks(group)
+    block_d = triton.next_power_of_2(head_dim)
+    precision = _dot_precision(q.dtype)
+    _decode_partial_kernel[(num_seqs, num_kv_heads * head_blocks, num_splits)](
+        q, k_cache, v_cache, kv_indices,
+        q_rows, kv_starts, seq_lens,
+        mid_out, mid_lse,
+        num_splits, sm_scale * LOG2_E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h,
+        BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=head_dim,
+        DOT_PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(num_seqs, num_q_heads)](
+        mid_out, mid_lse, out,
+        q_rows, seq_lens,
+        num_splits,
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_N=block_n, BLOCK_S=MAX_KV_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,
+        num_warps=4, num_stages=1,
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    q_starts: torch.Tensor,
+    extend_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    kv_starts: torch.Tensor,
+    max_extend_len: int,
+    out: torch.Tensor,
+    sm_scale: float,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> None:
+    """Attend the new tokens of each extend sequence; writes their rows of `out`.
+
+    q/out: [T, Hq, D] and k_new/v_new: [T, Hkv, D] share row numbering (this
+    step's new tokens); q_starts, extend_lens, prefix_lens, kv_starts: [n].
+    """
+    num_seqs = q_starts.numel()
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_q_heads // k_cache.shape[1]
+    block_d = triton.next_power_of_2(head_dim)
+    _extend_kernel[(num_seqs, num_q_heads, triton.cdiv(max_extend_len, block_m))](
+        q, k_new, v_new, k_cache, v_cache, kv_indices, out,
+        q_starts, extend_lens, prefix_lens, kv_starts,
+        sm_scale * LOG2_E,
+        q.stride(0), q.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+    )
