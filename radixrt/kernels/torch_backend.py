@@ -1,0 +1,198 @@
+"""Reference attention over the paged KV pool with `scaled_dot_product_attention`.
+
+The correctness reference for the GPU backends and the CPU path. `plan()`
+sorts the batch's sequences into a few padded groups and builds every index
+and mask once; each layer then does, per group, one gather of K/V from the
+pool and one SDPA call:
+
+    decode group   all sequences with one new token: q [B, Hkv, G, D] (the G
+                   query heads sharing a KV head stand in for G query rows, so
+                   K/V are never repeated), K/V [B, Hkv, Lmax, D], mask: key < len
+    extend groups  sequences with several new tokens, packed while padding
+                   wastes at most half the work: q [B, Hq, Lq, D], K/V
+                   [B, Hkv, Lkv, D] (SDPA's enable_gqa), mask: key <= prefix + row;
+                   a lone sequence without a prefix uses is_causal instead
+
+Padding slots point at the sequence's first slot and are masked out; padded
+query rows are computed and dropped. Slots are whatever `kv_indices` says, so
+any `page_size` works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixrt.kernels.base import AttentionBackend
+from radixrt.model.forward_batch import ForwardBatch
+
+# An extend group grows while its padded size stays within this factor of its real size.
+_MAX_PADDING_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One padded SDPA call: `num_seqs` sequences, `q_len` x `kv_len` after padding."""
+
+    num_seqs: int
+    q_len: int
+    kv_len: int
+    kv_slots: torch.Tensor  # [num_seqs * kv_len] pool slots, padded
+    mask: torch.Tensor | None  # additive, broadcastable to the SDPA scores; None: causal, unpadded
+    q_rows: torch.Tensor | None  # [num_seqs * q_len] rows of the batch's new tokens; None: all, in order
+    valid: torch.Tensor | None  # [num real tokens] positions in the padded rows; None: no padding
+    out_rows: torch.Tensor | None  # [num real tokens] where the group's output rows go; None: all, in order
+
+
+@dataclass(frozen=True)
+class TorchAttentionPlan:
+    groups: tuple[_Group, ...]
+    decode_group: _Group | None
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def plan(self, batch: ForwardBatch) -> TorchAttentionPlan:
+        device = self.kv_cache.device
+        dtype = self.kv_cache.shape.dtype
+        kv_starts = batch.kv_indptr[:-1].tolist()
+        q_starts = batch.qo_indptr[:-1].tolist()
+        seqs = list(zip(range(batch.num_seqs), batch.prefix_lens, batch.extend_lens, kv_starts, q_starts))
+        decode = [s for s in seqs if s[2] == 1]
+        extend = sorted((s for s in seqs if s[2] > 1), key=lambda s: (s[1] + s[2], s[2]), reverse=True)
+        groups = []
+        decode_group = None
+        if decode:
+            decode_group = _decode_group(decode, batch, device, dtype)
+            groups.append(decode_group)
+        for members in _pack(extend):
+            groups.append(_extend_group(members, batch, device, dtype))
+        return TorchAttentionPlan(tuple(groups), decode_group)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        plan: TorchAttentionPlan,
+    ) -> torch.Tensor:
+        self.kv_cache.store(layer, batch.out_slots, k, v)
+        k_pool, v_pool = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        out = None if plan.groups[0].out_rows is None else torch.empty_like(q)
+        for group in plan.groups:
+            k_group = k_pool.index_select(0, group.kv_slots).view(group.num_seqs, group.kv_len, self.num_kv_heads, -1)
+            v_group = v_pool.index_select(0, group.kv_slots).view(group.num_seqs, group.kv_len, self.num_kv_heads, -1)
+            k_group, v_group = k_group.transpose(1, 2), v_group.transpose(1, 2)
+            if group is plan.decode_group:
+                rows = self._decode(q, k_group, v_group, group)
+            else:
+                rows = self._extend(q, k_group, v_group, group)
+            if out is None:  # the only group, covering every row in order
+                return rows
+            out.index_copy_(0, group.out_rows, rows)
+        assert out is not None
+        return out
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group) -> torch.Tensor:
+        q_group = q if group.q_rows is None else q.index_select(0, group.q_rows)
+        num_seqs = group.num_seqs
+        q_group = q_group.view(num_seqs, self.num_kv_heads, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(q_group, k, v, attn_mask=group.mask, scale=self.scale)
+        return out.reshape(num_seqs, self.num_q_heads, self.head_dim)
+
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group) -> torch.Tensor:
+        q_group = q if group.q_rows is None else q.index_select(0, group.q_rows)
+        q_group = q_group.view(group.num_seqs, group.q_len, self.num_q_heads, -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q_group, k, v, attn_mask=group.mask, is_causal=group.mask is None, scale=self.scale, enable_gqa=True
+        )
+        out = out.transpose(1, 2).reshape(-1, self.num_q_heads, self.head_dim)
+        return out if group.valid is None else out.index_select(0, group.valid)
+
+
+_Seq = tuple[int, int, int, int, int]  # (index, prefix_len, extend_len, kv_start, q_start)
+
+
+def _pack(extend: list[_Seq]) -> list[list[_Seq]]:
+    """Greedy packing of extend sequences (sorted longest first) into padded groups."""
+    groups: list[list[_Seq]] = []
+    for seq in extend:
+        if groups:
+            members = groups[-1] + [seq]
+            q_len = max(s[2] for s in members)
+            kv_len = max(s[1] + s[2] for s in members)
+            real = sum(s[2] * (s[1] + s[2]) for s in members)
+            if len(members) * q_len * kv_len <= _MAX_PADDING_FACTOR * real:
+                groups[-1] = members
+                continue
+        groups.append([seq])
+    return groups
+
+
+def _padded_slots(members: list[_Seq], kv_len: int, batch: ForwardBatch, device: torch.device) -> torch.Tensor:
+    """[len(members) * kv_len] slots; past a sequence's end, its first slot (masked anyway)."""
+    starts = torch.tensor([s[3] for s in members], device=device)
+    lens = torch.tensor([s[1] + s[2] for s in members], device=device)
+    offsets = torch.arange(kv_len, device=device)
+    offsets = torch.where(offsets[None, :] < lens[:, None], offsets[None, :], 0)
+    return batch.kv_indices.to(device)[(starts[:, None] + offsets).reshape(-1)]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _decode_group(members: list[_Seq], batch: ForwardBatch, device: torch.device, dtype: torch.dtype) -> _Group:
+    seq_lens = [s[1] + 1 for s in members]
+    kv_len = max(seq_lens)
+    mask = None
+    if min(seq_lens) < kv_len:
+        allowed = torch.arange(kv_len, device=device)[None, :] < torch.tensor(seq_lens, device=device)[:, None]
+        mask = _additive(allowed[:, None, None, :], dtype)
+    # With only decodes in the batch, its rows are exactly the group's rows, in order.
+    rows = None if len(members) == batch.num_seqs else torch.tensor([s[4] for s in members], device=device)
+    return _Group(len(members), 1, kv_len, _padded_slots(members, kv_len, batch, device), mask, rows, None, rows)
+
+
+def _extend_group(members: list[_Seq], batch: ForwardBatch, device: torch.device, dtype: torch.dtype) -> _Group:
+    q_len = max(s[2] for s in members)
+    kv_len = max(s[1] + s[2] for s in members)
+    if len(members) == 1:
+        index, prefix, extend, _, q_start = members[0]
+        whole_batch = batch.num_seqs == 1
+        rows = None if whole_batch else torch.arange(q_start, q_start + extend, device=device)
+        if prefix == 0:
+            mask = None
+        else:
+            allowed = torch.arange(kv_len, device=device)[None, :] <= torch.arange(extend, device=device)[:, None] + prefix
+            mask = _additive(allowed, dtype)
+        return _Group(1, q_len, kv_len, _padded_slots(members, kv_len, batch, device), mask, rows, None, rows)
+    prefix_lens = torch.tensor([s[1] for s in members], device=device)
+    extend_lens = torch.tensor([s[2] for s in members], device=device)
+    q_starts = torch.tensor([s[4] for s in members], device=device)
+    row_offsets = torch.arange(q_len, device=device)
+    is_real_row = row_offsets[None, :] < extend_lens[:, None]  # [B, q_len]
+    # Padded query rows read the sequence's first new token and are dropped afterwards.
+    q_rows = q_starts[:, None] + torch.where(is_real_row, row_offsets[None, :], 0)
+    key_positions = torch.arange(kv_len, device=device)
+    limit = prefix_lens[:, None] + row_offsets[None, :]  # [B, q_len]: last visible key
+    allowed = (key_positions[None, None, :] <= limit[:, :, None]) & (
+        key_positions[None, None, :] < (prefix_lens + extend_lens)[:, None, None]
+    )
+    q_rows = q_rows.reshape(-1)
+    valid = is_real_row.reshape(-1).nonzero().squeeze(1)
+    return _Group(
+        num_seqs=len(members),
+        q_len=q_len,
+        kv_len=kv_len,
+        kv_slots=_padded_slots(members, kv_len, batch, device),
+        mask=_additive(allowed[:, None], dtype),
+        q_rows=q_rows,
+        valid=valid,
+        out_rows=q_rows.index_select(0, valid),
+    )

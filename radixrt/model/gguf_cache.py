@@ -1,0 +1,138 @@
+"""GGUF files, converted once into a cached Hugging Face folder.
+
+transformers de-quantizes a GGUF checkpoint into an fp32 model in ~15-25 s on
+a small CPU; every later load would pay that again. So the first load writes
+what transformers produced (config.json, model.safetensors in fp32,
+generation_config.json, tokenizer files with the chat template) into a cache
+folder and every load reads that folder like any other checkpoint.
+
+    $RADIXRT_CACHE_DIR (default ~/.cache/radixrt)/
+        SmolLM2-135M-Instruct.Q4_1-<key>/        complete: renamed into place last
+        .tmp-SmolLM2-135M-Instruct.Q4_1-<key>-<pid>-<random>/   being written
+
+The folder is written under a temporary name and renamed into place, so a
+crash leaves at worst a `.tmp-*` folder (removed by a later conversion once
+its process is gone), never a half-written cache. `<key>` hashes the file's
+size, its first and last MiB and the cache format, so a different file under
+the same name gets its own folder, without hashing gigabytes on every load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from radixrt.model.config import SUPPORTED_ARCHITECTURES
+
+CACHE_ENV_VAR = "RADIXRT_CACHE_DIR"
+# Bump when what we write changes, so old caches are not read.
+_CACHE_FORMAT = 1
+_SAMPLE_BYTES = 1 << 20
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: $RADIXRT_CACHE_DIR, else ~/.cache/radixrt."""
+    configured = os.environ.get(CACHE_ENV_VAR)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "radixrt"
+
+
+def cached_folder(gguf_path: Path) -> Path:
+    """The cache folder for this GGUF file (it may not exist yet)."""
+    digest = hashlib.sha256(f"radixrt-gguf-cache-v{_CACHE_FORMAT}:{gguf_path.stat().st_size}:".encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(_SAMPLE_BYTES))
+        f.seek(max(0, gguf_path.stat().st_size - _SAMPLE_BYTES))
+        digest.update(f.read(_SAMPLE_BYTES))
+    return cache_root() / f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
+
+
+def gguf_to_hf_folder(gguf_path: Path) -> Path:
+    """The converted Hugging Face folder for `gguf_path`, converting on first use."""
+    folder = cached_folder(gguf_path)
+    if folder.is_dir():
+        return folder
+    check_gguf(gguf_path)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphaned_tmp(folder)
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        _convert(gguf_path, tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+            shutil.rmtree(tmp)  # another process finished the same conversion first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def check_gguf(gguf_path: Path) -> None:
+    """ValueError unless the file is a GGUF of a supported architecture with tokenizer data."""
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(gguf_path).fields
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{gguf_path} is not a readable GGUF file: {error}") from error
+    supported_types = sorted(set(SUPPORTED_ARCHITECTURES.values()))
+    architecture = fields["general.architecture"].contents() if "general.architecture" in fields else None
+    if architecture not in supported_types:
+        raise ValueError(
+            f"{gguf_path}: unsupported GGUF architecture {architecture!r}; supported: {', '.join(supported_types)}"
+        )
+    if "tokenizer.ggml.model" not in fields or "tokenizer.ggml.tokens" not in fields:
+        raise ValueError(
+            f"{gguf_path} has no tokenizer data (tokenizer.ggml.*); radixrt needs a GGUF with an embedded "
+            "tokenizer, or a Hugging Face folder with tokenizer files"
+        )
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    """De-quantize with transformers and save model, config and tokenizer as a HF folder.
+
+    transformers refuses `save_pretrained` on a GGUF-loaded model, so the
+    pieces are written one by one: config (with `architectures`, which GGUF
+    configs lack, and without the GGUF quantization entry), generation config, fp32 safetensors (without a tied LM
+    head), tokenizer.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.mkdir(parents=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    config = model.config
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights we write are plain fp32
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
+
+
+def _remove_orphaned_tmp(folder: Path) -> None:
+    """Delete temporary folders of this conversion left by processes that no longer run."""
+    for tmp in folder.parent.glob(f".tmp-{folder.name}-*"):
+        pid = tmp.name[len(f".tmp-{folder.name}-") :].split("-")[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

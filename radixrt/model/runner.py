@@ -1,0 +1,56 @@
+"""One model step: plan the attention, run the layers, project the wanted rows to logits."""
+
+from __future__ import annotations
+
+import torch
+
+from radixrt.kernels.base import AttentionBackend
+from radixrt.memory.kv_cache import KVCache
+from radixrt.model.forward_batch import ForwardBatch
+from radixrt.model.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    """Runs `LlamaForCausalLM` over a `KVCache` through one attention backend.
+
+    Ownership: the runner only writes the K/V of a batch's new tokens, at
+    `batch.out_slots`; which slots those are, and who owns them afterwards,
+    is the caller's business (the scheduler allocates them from the PagePool).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend):
+        config = model.config
+        expected = (config.num_layers, config.num_kv_heads, config.head_dim)
+        shape = kv_cache.shape
+        if (shape.num_layers, shape.num_kv_heads, shape.head_dim) != expected:
+            raise ValueError(
+                f"kv_cache shape (layers, kv_heads, head_dim) = "
+                f"{(shape.num_layers, shape.num_kv_heads, shape.head_dim)} does not fit the model's {expected}"
+            )
+        if kv_cache.device != model.device:
+            raise ValueError(f"kv_cache is on {kv_cache.device}, the model on {model.device}")
+        if backend.kv_cache is not kv_cache:
+            raise ValueError("backend must be built over the same kv_cache")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [len(logit_rows), vocab_size] for rows of the batch's new tokens.
+
+        `logit_rows` defaults to `batch.last_token_rows` (one row per
+        sequence, for sampling); pass more rows (any order, repeats allowed)
+        to score prompt tokens, e.g. for log-probabilities of choices.
+        """
+        if logit_rows is None:
+            logit_rows = batch.last_token_rows
+        elif not isinstance(logit_rows, torch.Tensor) or logit_rows.dim() != 1 or logit_rows.dtype != torch.int64:
+            raise TypeError("logit_rows must be a 1-D int64 tensor of rows of the batch's new tokens")
+        with torch.inference_mode():
+            plan = self.backend.plan(batch)
+            hidden = self.model.forward(batch, self.backend, plan)
+            return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)))
