@@ -20,21 +20,14 @@ from radixrt.model.loader import load_model
 from radixrt.model.runner import ModelRunner
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu'")
-    return resolved
-
-
 def build_engine(model: Any, config: RuntimeConfig) -> tuple[Engine, Any, str]:
-    device = resolve_device(config.device)
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_model(model, device=device, dtype=config.dtype)
+    device = loaded.model.device
     model_config = loaded.config
-    dtype = next(loaded.model.parameters()).dtype if hasattr(loaded.model, "parameters") else loaded.dtype
-    shape = KVShape(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype)
+    shape = model_config.kv_shape(loaded.model.dtype)
     num_pages = pool_tokens(config, shape, device) // config.page_size
     if num_pages < 1:
         raise ValueError("the KV budget holds less than one page; raise max_total_tokens or the memory budget")
@@ -56,7 +49,7 @@ def build_engine(model: Any, config: RuntimeConfig) -> tuple[Engine, Any, str]:
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded),
         vocab_size=model_config.vocab_size,
-        context_len=model_config.max_position_embeddings,
+        context_len=model_config.context_len,
         device=device,
     )
     return engine, loaded.tokenizer, loaded.name
