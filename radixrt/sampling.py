@@ -1,0 +1,342 @@
+"""Sampling parameters and the batched sampler.
+
+`SamplingParams` uses SGLang's names and defaults, so users can carry their
+`sampling_params` dicts over unchanged. `Sampler.sample` turns one batch of
+next-token logits into one token per row with a fixed number of batched
+tensor operations, whatever the mix of settings in the batch:
+
+    logits ─► penalties (repetition, then frequency/presence) ─► logprobs
+           └► greedy rows: argmax
+           └► sampled rows: / temperature ─► top-k, top-p, min-p threshold
+                            ─► inverse CDF at u = hash(seed, step)
+
+Reproducibility: the only randomness is the one uniform number per row,
+derived from the request's seed and the index of the token being sampled
+(counter-based, no generator state), and every other operation works on each
+row alone. So a seeded request draws the same tokens alone or in a batch of
+64, at any row. docs/sampling.md has the user-facing rules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from itertools import chain
+from typing import Any
+
+import torch
+
+# Temperatures below this sample greedily: dividing logits by them overflows
+# float32 (SGLang uses the same cut-off).
+GREEDY_TEMPERATURE = 1e-5
+
+# top_p first looks for the nucleus among this many most likely tokens and
+# sorts the whole vocabulary only for rows whose nucleus is larger: a full
+# sort of a 49k vocabulary costs 20x a top-256 on CPU.
+_NUCLEUS_CANDIDATES = 256
+
+_MASK64 = (1 << 64) - 1
+
+
+def _number(name: str, value: Any, accepted: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number {accepted}, got {value!r}")
+    return float(value)
+
+
+def _int(name: str, value: Any, accepted: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int {accepted}, got {value!r}")
+    return value
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _normalise_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {value!r}")
+    return tuple(items)
+
+
+def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates: SGLang's sampling parameters and defaults.
+
+    Frozen, because one object is shared by the `n` samples of a request and
+    by every `gen` of a program; use `dataclasses.replace` for a variant.
+    `stop` and `stop_token_ids` are normalised to tuples (empty when None).
+    Construction validates everything that needs no model; `validate(vocab_size)`
+    adds the checks that do.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    return_logprob: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first field outside its accepted range."""
+        if _int("max_new_tokens", self.max_new_tokens, ">= 0") < 0:
+            raise ValueError(f"max_new_tokens must be >= 0 (0 scores the prompt only), got {self.max_new_tokens}")
+        if _number("temperature", self.temperature, ">= 0") < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < _number("top_p", self.top_p, "in (0, 1]") <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        top_k = _int("top_k", self.top_k, "(-1 = off, or >= 1)")
+        if top_k != -1 and top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {top_k}")
+        if not 0 <= _number("min_p", self.min_p, "in [0, 1]") <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= _number(name, getattr(self, name), "in [-2, 2]") <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if _number("repetition_penalty", self.repetition_penalty, "> 0") <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.seed is not None:
+            _int("seed", self.seed, "or None")
+        if _int("n", self.n, ">= 1") < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        for name in ("ignore_eos", "return_logprob", "skip_special_tokens"):
+            _bool(name, getattr(self, name))
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
+
+    @classmethod
+    def from_any(cls, value: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+        """Accept what users pass as `sampling_params`: None (defaults), a dict, or an instance."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            unknown = sorted(map(str, set(value) - _FIELD_NAMES))
+            if unknown:
+                raise ValueError(
+                    f"unknown sampling parameter(s) {', '.join(unknown)}; accepted: {', '.join(sorted(_FIELD_NAMES))}"
+                )
+            return cls(**value)
+        raise ValueError(f"sampling_params must be None, a dict or SamplingParams, got {type(value).__name__}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform_for(seed: int, step: int) -> float:
+    """The uniform number in (0, 1) that picks output token `step` of a request seeded `seed`.
+
+    A pure function of (seed, step): no generator state, so the draw does not
+    depend on what else is in the batch or on how often the sampler ran.
+    """
+    key = _splitmix64(_splitmix64(seed & _MASK64) ^ step)
+    return ((key >> 11) + 0.5) / 2.0**53
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """One sampled token per row.
+
+    `logprobs[i]` is the log-probability of `token_ids[i]` under the
+    penalised distribution at temperature 1, before top-k/top-p/min-p: the
+    model's own opinion of the token (after penalties), comparable across
+    requests whatever their temperature, and finite for greedy rows too.
+    """
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32
+
+
+class Sampler:
+    """Picks the next token of every row of a batch; stateless, so one instance serves all steps."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+    ) -> SampleOutput:
+        """Sample row i of `logits` [B, V] with `params[i]`.
+
+        `seeds[i]` is the request's seed (the engine draws one at submission
+        when the user gave none). `output_ids[i]` are the tokens the request
+        has generated so far: its length is the step that selects the random
+        draw, and with `prompt_ids[i]` it is the history the penalties count;
+        the histories are read only for rows with a penalty. `logits` is not
+        modified.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch_size = logits.shape[0]
+        for name, seq in (("params", params), ("seeds", seeds), ("prompt_ids", prompt_ids), ("output_ids", output_ids)):
+            if len(seq) != batch_size:
+                raise ValueError(f"{name} must have one entry per logits row ({batch_size}), got {len(seq)}")
+        logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not sampled:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            uniforms = [uniform_for(seeds[i], len(output_ids[i])) for i in sampled]
+            rows_params = [params[i] for i in sampled]
+            if not greedy:
+                token_ids = _sample_rows(logits, rows_params, uniforms)
+            else:
+                token_ids = torch.empty(batch_size, dtype=torch.int64, device=logits.device)
+                greedy_rows = torch.tensor(greedy, device=logits.device)
+                sampled_rows = torch.tensor(sampled, device=logits.device)
+                token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+                token_ids[sampled_rows] = _sample_rows(logits[sampled_rows], rows_params, uniforms)
+        logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        return SampleOutput(token_ids, logprobs)
+
+
+def _history(histories: Sequence[Sequence[Sequence[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs of every token in each row's token lists, as two int64 tensors."""
+    lengths = torch.tensor([sum(map(len, lists)) for lists in histories], dtype=torch.int64)
+    tokens = torch.tensor(list(chain.from_iterable(chain.from_iterable(histories))), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(histories)), lengths)
+    return rows.to(device), tokens.to(device)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Penalised copy of `logits`, or `logits` itself when no row has a penalty (the common case).
+
+    Repetition (HF): a logit of a token seen in prompt or output is divided by
+    the penalty when positive, multiplied when negative. Then frequency and
+    presence (OpenAI): subtract `frequency * count + presence * (count > 0)`,
+    counting output tokens only.
+    """
+    repetition = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
+    additive = [i for i, p in enumerate(params) if p.frequency_penalty != 0 or p.presence_penalty != 0]
+    if not repetition and not additive:
+        return logits
+    device, vocab_size = logits.device, logits.shape[1]
+    logits = logits.clone()
+    if repetition:
+        rows = torch.tensor(repetition, device=device)
+        seen = torch.zeros(len(repetition), vocab_size, dtype=torch.bool, device=device)
+        seen[_history([(prompt_ids[i], output_ids[i]) for i in repetition], device)] = True
+        penalty = torch.tensor([params[i].repetition_penalty for i in repetition], device=device)[:, None]
+        sub = logits[rows]
+        logits[rows] = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    if additive:
+        rows = torch.tensor(additive, device=device)
+        counts = torch.zeros(len(additive), vocab_size, device=device)
+        index = _history([(output_ids[i],) for i in additive], device)
+        counts.index_put_(index, torch.ones(index[0].numel(), device=device), accumulate=True)
+        frequency = torch.tensor([params[i].frequency_penalty for i in additive], device=device)[:, None]
+        presence = torch.tensor([params[i].presence_penalty for i in additive], device=device)[:, None]
+        logits[rows] -= frequency * counts + presence * (counts > 0)
+    return logits
+
+
+def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> torch.Tensor:
+    """Inverse-CDF sampling of each row from its temperature-scaled, filtered distribution.
+
+    Every filter becomes a per-row logit threshold (ties at the threshold are
+    kept), and all filters are computed on the same full distribution, as in
+    SGLang, so their order does not matter.
+    """
+    device, (num_rows, vocab_size) = logits.device, logits.shape
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits / temperature[:, None]
+    row_max = scaled.amax(dim=-1)
+    threshold = torch.full((num_rows,), -math.inf, device=device)
+    top_k = [i for i, p in enumerate(params) if 1 < p.top_k < vocab_size]
+    if top_k:
+        rows = torch.tensor(top_k, device=device)
+        ks = torch.tensor([params[i].top_k for i in top_k], device=device)
+        kth = scaled[rows].topk(int(ks.max()), dim=-1).values.gather(1, ks[:, None] - 1).squeeze(1)
+        threshold[rows] = torch.maximum(threshold[rows], kth)
+    top_p = [i for i, p in enumerate(params) if p.top_p < 1]
+    if top_p:
+        rows = torch.tensor(top_p, device=device)
+        ps = torch.tensor([params[i].top_p for i in top_p], device=device)
+        threshold[rows] = torch.maximum(threshold[rows], _nucleus_threshold(scaled[rows], ps))
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        threshold = torch.maximum(threshold, row_max + min_p.log())  # p >= min_p * p_max, in logits
+    weights = (scaled - row_max[:, None]).exp().masked_fill_(scaled < threshold[:, None], 0.0)
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+    targets = torch.tensor(uniforms, dtype=torch.float64, device=device) * cdf[:, -1]
+    return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1).clamp_(max=vocab_size - 1)
+
+
+def _nucleus_threshold(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest logit of the nucleus: the fewest most-likely tokens whose mass reaches top_p.
+
+    A token is kept when the mass strictly before it (in descending order) is
+    below top_p, so the most likely token always is. Rows whose nucleus does
+    not fit in the first candidates fall back to a full sort; which path a
+    row takes depends on that row alone.
+    """
+    log_norm = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    num_candidates = min(_NUCLEUS_CANDIDATES, scaled.shape[1])
+    values = scaled.topk(num_candidates, dim=-1).values
+    threshold, fits = _threshold_in(values, log_norm, top_p)
+    if num_candidates < scaled.shape[1] and not bool(fits.all()):
+        rows = (~fits).nonzero().squeeze(1)
+        full = scaled[rows].sort(dim=-1, descending=True).values
+        threshold[rows] = _threshold_in(full, log_norm[rows], top_p[rows])[0]
+    return threshold
+
+
+def _threshold_in(values: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nucleus threshold within descending `values`, and whether the nucleus fits in them."""
+    probs = (values - log_norm).exp()
+    mass = probs.cumsum(dim=-1)
+    kept = ((mass - probs) < top_p[:, None]).sum(dim=-1)
+    threshold = values.gather(1, (kept - 1)[:, None]).squeeze(1)
+    return threshold, mass[:, -1] >= top_p
