@@ -237,12 +237,17 @@ class Sampler:
         return SampleOutput(token_ids, logprobs)
 
 
-def _history(histories: Sequence[Sequence[Sequence[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token) index pairs of every token in each row's token lists, as two int64 tensors."""
+def _token_counts(
+    rows: Sequence[int], histories: Sequence[tuple[Sequence[int], ...]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch row, token, count) for each distinct token in each row's token lists."""
     lengths = torch.tensor([sum(map(len, lists)) for lists in histories], dtype=torch.int64)
     tokens = torch.tensor(list(chain.from_iterable(chain.from_iterable(histories))), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(len(histories)), lengths)
-    return rows.to(device), tokens.to(device)
+    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
+        raise ValueError(f"token ids in prompt_ids and output_ids must be in [0, {vocab_size})")
+    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
+    keys, counts = torch.unique(row_of * vocab_size + tokens, return_counts=True)
+    return (keys // vocab_size).to(device), (keys % vocab_size).to(device), counts.to(device)
 
 
 def apply_penalties(
@@ -256,7 +261,8 @@ def apply_penalties(
     Repetition (HF): a logit of a token seen in prompt or output is divided by
     the penalty when positive, multiplied when negative. Then frequency and
     presence (OpenAI): subtract `frequency * count + presence * (count > 0)`,
-    counting output tokens only.
+    counting output tokens only. Only the logits of tokens in the history are
+    touched, so the cost grows with the history, not with batch x vocabulary.
     """
     repetition = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
     additive = [i for i, p in enumerate(params) if p.frequency_penalty != 0 or p.presence_penalty != 0]
@@ -265,21 +271,24 @@ def apply_penalties(
     device, vocab_size = logits.device, logits.shape[1]
     logits = logits.clone()
     if repetition:
-        rows = torch.tensor(repetition, device=device)
-        seen = torch.zeros(len(repetition), vocab_size, dtype=torch.bool, device=device)
-        seen[_history([(prompt_ids[i], output_ids[i]) for i in repetition], device)] = True
-        penalty = torch.tensor([params[i].repetition_penalty for i in repetition], device=device)[:, None]
-        sub = logits[rows]
-        logits[rows] = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+        histories = [(prompt_ids[i], output_ids[i]) for i in repetition]
+        rows, tokens, _ = _token_counts(repetition, histories, vocab_size, device)
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[rows]
+        values = logits[rows, tokens]
+        logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
     if additive:
-        rows = torch.tensor(additive, device=device)
-        counts = torch.zeros(len(additive), vocab_size, device=device)
-        index = _history([(output_ids[i],) for i in additive], device)
-        counts.index_put_(index, torch.ones(index[0].numel(), device=device), accumulate=True)
-        frequency = torch.tensor([params[i].frequency_penalty for i in additive], device=device)[:, None]
-        presence = torch.tensor([params[i].presence_penalty for i in additive], device=device)[:, None]
-        logits[rows] -= frequency * counts + presence * (counts > 0)
+        rows, tokens, counts = _token_counts(additive, [(output_ids[i],) for i in additive], vocab_size, device)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[rows]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[rows]
+        logits[rows, tokens] -= frequency * counts + presence
     return logits
+
+
+def _select(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`tensor[rows]`, without the copy when `rows` is every row (the usual case)."""
+    if len(rows) == tensor.shape[0]:
+        return tensor
+    return tensor[torch.tensor(rows, device=tensor.device)]
 
 
 def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> torch.Tensor:
@@ -296,21 +305,32 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniform
     threshold = torch.full((num_rows,), -math.inf, device=device)
     top_k = [i for i, p in enumerate(params) if 1 < p.top_k < vocab_size]
     if top_k:
-        rows = torch.tensor(top_k, device=device)
         ks = torch.tensor([params[i].top_k for i in top_k], device=device)
-        kth = scaled[rows].topk(int(ks.max()), dim=-1).values.gather(1, ks[:, None] - 1).squeeze(1)
+        kth = _select(scaled, top_k).topk(int(ks.max()), dim=-1).values.gather(1, ks[:, None] - 1).squeeze(1)
+        rows = torch.tensor(top_k, device=device)
         threshold[rows] = torch.maximum(threshold[rows], kth)
     top_p = [i for i, p in enumerate(params) if p.top_p < 1]
     if top_p:
-        rows = torch.tensor(top_p, device=device)
         ps = torch.tensor([params[i].top_p for i in top_p], device=device)
-        threshold[rows] = torch.maximum(threshold[rows], _nucleus_threshold(scaled[rows], ps))
-    if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        threshold = torch.maximum(threshold, row_max + min_p.log())  # p >= min_p * p_max, in logits
-    weights = (scaled - row_max[:, None]).exp().masked_fill_(scaled < threshold[:, None], 0.0)
-    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
-    targets = torch.tensor(uniforms, dtype=torch.float64, device=device) * cdf[:, -1]
+        rows = torch.tensor(top_p, device=device)
+        threshold[rows] = torch.maximum(threshold[rows], _nucleus_threshold(_select(scaled, top_p), ps))
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        # p >= min_p * p_max, in logits; log(0) = -inf keeps every token
+        threshold = torch.maximum(threshold, row_max + torch.tensor(min_p, device=device).log())
+    weights = (scaled - row_max[:, None]).exp_()
+    if top_k or top_p or any(min_p):
+        weights.masked_fill_(scaled < threshold[:, None], 0.0)
+    # float32 is enough: the CPU kernel accumulates in float64, and a
+    # filtered-out token adds exactly 0, so it can never be picked.
+    cdf = weights.cumsum_(dim=-1)
+    total = cdf[:, -1]
+    # target < total, so the first cdf entry above it belongs to a token of weight > 0
+    targets = torch.minimum(
+        (torch.tensor(uniforms, dtype=torch.float64, device=device) * total).float(),
+        torch.nextafter(total, torch.zeros_like(total)),
+    )
+    # the clamp only matters for NaN logits, which have no meaningful token anyway
     return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1).clamp_(max=vocab_size - 1)
 
 

@@ -200,28 +200,34 @@ def test_distribution_matches_softmax(params, keep):
     assert chi_square(counts, probs) < 45
 
 
-def test_same_seed_same_tokens_in_any_batch():
-    vocab = 1001  # odd, so rows start at different offsets of the flat buffer
-    target = SamplingParams(temperature=0.9, top_p=0.95, top_k=100, min_p=0.01, repetition_penalty=1.2,
-                            frequency_penalty=0.3, seed=1234)
+@pytest.mark.parametrize(
+    "vocab, scale, target",
+    [
+        # odd vocabulary: rows start at different offsets of the flat buffer
+        (1001, 3.0, SamplingParams(temperature=0.9, top_p=0.95, top_k=100, min_p=0.01, repetition_penalty=1.2,
+                                   frequency_penalty=0.3, seed=1234)),
+        # a flat distribution at the real vocabulary size: the nucleus needs the full sort
+        (49152, 0.1, SamplingParams(top_p=0.97, seed=99)),
+    ],
+)
+def test_same_seed_same_tokens_in_any_batch(vocab, scale, target):
     others = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_p=0.5),
               SamplingParams(top_k=7, presence_penalty=1.0), SamplingParams(min_p=0.3, temperature=2.0)]
-    history = [5, 7, 5, 900]
-    for step in range(5):
-        logits = random_logits(64, vocab, seed=step)
+    batch_size, history = 24, [5, 7, 5, 900]
+    for step in range(3):
+        logits = random_logits(batch_size, vocab, seed=step, scale=scale)
         output = history + list(range(step))
-        alone = sample(logits[:1], [target], [1234], [[1, 2]], [output])
-        for row in (0, 17, 63):
-            batch = logits[torch.randperm(64, generator=torch.Generator().manual_seed(row))]
+        alone = sample(logits[:1], [target], [target.seed], [[1, 2]], [output])
+        for row in (0, 9, batch_size - 1):
+            batch = logits[torch.randperm(batch_size, generator=torch.Generator().manual_seed(row))]
             batch[row] = logits[0]
-            params = [others[i % len(others)] for i in range(64)]
+            params = [others[i % len(others)] for i in range(batch_size)]
             params[row] = target
-            seeds = list(range(1000, 1064))
-            seeds[row] = 1234
-            outputs = [[i % 50] * 3 for i in range(64)]
+            seeds = list(range(1000, 1000 + batch_size))
+            seeds[row] = target.seed
+            outputs = [[i % 50] * 3 for i in range(batch_size)]
             outputs[row] = output
-            prompts = [[1, 2]] * 64
-            out = sample(batch, params, seeds, prompts, outputs)
+            out = sample(batch, params, seeds, [[1, 2]] * batch_size, outputs)
             assert out.token_ids[row] == alone.token_ids[0]
             assert out.logprobs[row] == alone.logprobs[0]
 
@@ -293,6 +299,8 @@ def test_half_precision_logits():
 
 
 def test_inputs_must_match_the_batch():
+    with pytest.raises(ValueError, match="output_ids must be in"):
+        SAMPLER.sample(torch.zeros(1, 5), [SamplingParams(presence_penalty=1)], [1], [[]], [[5]])
     with pytest.raises(ValueError, match="seeds"):
         SAMPLER.sample(torch.zeros(2, 5), [SamplingParams()] * 2, [1], [[]] * 2, [[]] * 2)
     with pytest.raises(ValueError, match="logits"):
