@@ -174,7 +174,7 @@ def uniform_for(seed: int, step: int) -> float:
     depend on what else is in the batch or on how often the sampler ran.
     """
     key = _splitmix64(_splitmix64(seed & _MASK64) ^ step)
-    return ((key >> 11) + 0.5) / 2.0**53
+    return ((key >> 12) + 0.5) / 2.0**52  # 52 bits + 0.5 is exact in a float64, so never 0 or 1
 
 
 @dataclass(frozen=True)

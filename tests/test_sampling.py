@@ -239,6 +239,7 @@ def test_step_changes_the_draw_and_seeds_differ():
     by_step = {int(sample(row, [params], [7], outputs=[[0] * step]).token_ids[0]) for step in range(50)}
     assert len(by_seed) > 40 and len(by_step) > 40
     assert all(0 < uniform_for(seed, step) < 1 for seed in (-1, 0, 2**70) for step in (0, 1, 10**6))
+    assert uniform_for(5, 3) == uniform_for(5 + 2**64, 3)  # seeds count modulo 2**64
 
 
 def reference_penalties(row: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:

@@ -1,13 +1,15 @@
-"""Token ids to streamed text: incremental detokenization, stop strings, finish reasons.
+r"""Token ids to streamed text: incremental detokenization, stop strings, finish reasons.
 
 One `OutputText` per request turns sampled tokens into the text a user may
-see so far. Two things are held back until they are decided:
+see so far. Two things are held back until they are decided (here with the
+stop string "\nQ:"):
 
-    output text:  ... "The answer is 4" "2.\n\nQ" | "\n"  | "\xf0\x9f"
-                  └── streamed ──────────────────┘ │ may  │ incomplete
-                                                   │ begin│ UTF-8: decoded
-                                                   │ stop │ as U+FFFD, so
-                                                   │ "\nQ:"│ held back
+    tokens:  "The" " answer" ":" " 42" "\n"  "\xf0\x9f" (half an emoji)
+    text:    The answer: 42          \n      U+FFFD
+             └── streamed ────────┘  │       └ held by IncrementalDetokenizer
+                                     │         until the last bytes arrive
+                                     └ held by StopStringMatcher: may begin
+                                       "\nQ:"; the next text decides
 
 The engine owns the token ids (output_ids includes a stop or EOS token); the
 text never includes a stop token, a matched stop string, or anything after it.
