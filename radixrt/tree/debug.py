@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixrt.tree.keys import TOKEN_BYTES
+from radixrt.tree.keys import TOKEN_BYTES, unpack_slots
 from radixrt.tree.node import TreeNode
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ def check_invariants(tree: RadixTree) -> None:
     """Assert the tree's structure, sizes, locks, LRU index and slot ownership."""
     page_bytes = tree._page_bytes
     seen: set[int] = set()
-    slots: list[torch.Tensor] = []
+    slots: list[bytes] = []
     evictable = protected = filed = 0
     for namespace, root in tree._roots.items():
         assert root.parent is None and root.key == b"" and root.num_tokens == 0
@@ -43,8 +43,7 @@ def check_invariants(tree: RadixTree) -> None:
                 assert len(child.key) % page_bytes == 0, "edge is not whole pages"
                 assert child.key[:page_bytes] == first_page, "child filed under a wrong first page"
                 assert child.num_tokens == len(child.key) // TOKEN_BYTES
-                assert child.value.dtype == torch.int64 and child.value.dim() == 1
-                assert child.value.numel() == child.num_tokens, "slots and tokens differ in length"
+                assert len(child.slots) == len(child.key), "slots and tokens differ in length"
                 assert 0 <= child.lock_ref <= node.lock_ref, "lock count below a child's or < 0"
                 if node.parent is not None:
                     assert child.last_access <= node.last_access, "child used after its parent"
@@ -56,16 +55,15 @@ def check_invariants(tree: RadixTree) -> None:
                     assert 0 <= child.lru_stamp <= child.last_access, "evictable leaf not filed"
                 if child.lru_stamp >= 0:
                     filed += 1
-                slots.append(child.value)
+                slots.append(child.slots)
                 stack.append(child)
     assert evictable == tree._evictable_tokens, "evictable_tokens is off"
     assert protected == tree._protected_tokens, "protected_tokens is off"
     assert len(tree._lru) == filed, "LRU list and node stamps disagree"
     for stamp, node_id, node in tree._lru:
         assert node.lru_stamp == stamp and node.node_id == node_id and node_id in seen
-    if slots:
-        all_slots = torch.cat(slots)
-        assert torch.unique(all_slots).numel() == all_slots.numel(), "a slot is held twice"
+    all_slots = unpack_slots(slots)
+    assert torch.unique(all_slots).numel() == all_slots.numel(), "a slot is held twice"
 
 
 def pretty(tree: RadixTree) -> str:

@@ -6,14 +6,15 @@ from collections.abc import Hashable
 
 import torch
 
-from radixrt.tree.keys import TOKEN_BYTES
+from radixrt.tree.keys import TOKEN_BYTES, unpack_slots
 
 
 class TreeNode:
     """One edge of the radix tree and the node it leads to.
 
-    `key` holds the edge's tokens packed as native uint64 bytes and `value`
-    the KV slot of each of those tokens (int64, same length). A node handle
+    `key` holds the edge's tokens packed as native uint64 bytes and `slots`
+    the KV slot of each of those tokens packed as native int64 bytes (so the
+    two always have the same length in bytes). A node handle
     stays valid while the node is in the tree: when a split cuts its edge the
     tree inserts a new node above it and shortens this node's key from the
     front, so the handle still ends where it ended. Once the node is evicted
@@ -24,7 +25,7 @@ class TreeNode:
         "parent",
         "children",
         "key",
-        "value",
+        "slots",
         "num_tokens",
         "lock_ref",
         "last_access",
@@ -37,7 +38,7 @@ class TreeNode:
         self,
         parent: TreeNode | None,
         key: bytes,
-        value: torch.Tensor,
+        slots: bytes,
         last_access: int,
         node_id: int,
         namespace: Hashable = None,
@@ -45,7 +46,7 @@ class TreeNode:
         self.parent = parent
         self.children: dict[bytes, TreeNode] = {}
         self.key = key
-        self.value = value
+        self.slots = slots
         self.num_tokens = len(key) // TOKEN_BYTES
         self.lock_ref = 0
         self.last_access = last_access
@@ -74,14 +75,14 @@ class MatchResult:
     `last_node` the node that ends exactly there (a namespace root when
     nothing matched) and `indices` the int64 KV slots of those tokens.
     `indices` is built only when first read, by concatenating the matched
-    nodes' slots: most callers that only need the length never pay for it.
+    nodes' packed slots: a caller that needs only the length never pays.
     The slots belong to the tree; they are safe to use only while
     `last_node` is locked.
     """
 
     __slots__ = ("length", "last_node", "_parts", "_indices")
 
-    def __init__(self, length: int, last_node: TreeNode, parts: list[torch.Tensor]):
+    def __init__(self, length: int, last_node: TreeNode, parts: list[bytes]):
         self.length = length
         self.last_node = last_node
         self._parts = parts
@@ -90,10 +91,7 @@ class MatchResult:
     @property
     def indices(self) -> torch.Tensor:
         if self._indices is None:
-            if self._parts:
-                self._indices = torch.cat(self._parts)
-            else:
-                self._indices = torch.empty(0, dtype=torch.int64)
+            self._indices = unpack_slots(self._parts)
             self._parts = []
         return self._indices
 

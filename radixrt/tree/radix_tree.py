@@ -20,10 +20,16 @@ import torch
 from sortedcontainers import SortedList
 
 from radixrt.tree import debug
-from radixrt.tree.keys import TOKEN_BYTES, Tokens, common_prefix_pages, pack_tokens
+from radixrt.tree.keys import (
+    TOKEN_BYTES,
+    Tokens,
+    check_token_range,
+    common_prefix_pages,
+    pack_slots,
+    pack_tokens,
+    unpack_slots,
+)
 from radixrt.tree.node import MatchResult, TreeNode
-
-_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 class RadixTree:
@@ -76,29 +82,12 @@ class RadixTree:
         inside an edge the node is split, so `last_node` ends exactly at the
         match; with nothing matched it is the namespace's root.
         """
-        query = self._whole_pages(pack_tokens(tokens))
-        node = self._root(namespace)
-        self._clock += 1
-        clock, page_bytes, end = self._clock, self._page_bytes, len(query)
-        parts: list[torch.Tensor] = []
-        offset = 0
-        while offset < end:
-            child = node.children.get(query[offset : offset + page_bytes])
-            if child is None:
-                break
-            if query.startswith(child.key, offset):
-                child.last_access = clock
-                parts.append(child.value)
-                offset += len(child.key)
-                node = child
-                continue
-            matched = common_prefix_pages(query, offset, child.key, page_bytes) * page_bytes
-            node = self._split(child, matched)
-            node.last_access = clock
-            parts.append(node.value)
-            offset += matched
-            break
-        return MatchResult(offset // TOKEN_BYTES, node, parts)
+        packed, values = pack_tokens(tokens)
+        root = self._find_root(namespace)
+        path, offset, cut = self._walk(root, self._whole_pages(packed))
+        check_token_range(packed, values, offset)
+        last_node = self._commit(root or self._new_root(namespace), path, cut)
+        return MatchResult(offset // TOKEN_BYTES, last_node, [node.slots for node in path])
 
     def insert(self, tokens: Tokens, indices: torch.Tensor, namespace: Hashable = None) -> int:
         """Cache `tokens` -> `indices`; return how many leading tokens were cached.
@@ -109,7 +98,7 @@ class RadixTree:
         caller frees `indices[:returned]` where they differ from the tree's,
         and any tail beyond the last whole page stays the caller's.
         """
-        packed = pack_tokens(tokens)
+        packed, values = pack_tokens(tokens)
         num_tokens = len(packed) // TOKEN_BYTES
         if not isinstance(indices, torch.Tensor):
             raise ValueError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
@@ -122,27 +111,63 @@ class RadixTree:
                 f"indices must have one slot per token: {num_tokens} tokens, "
                 f"{indices.numel()} indices"
             )
+        root = self._find_root(namespace)
         query = self._whole_pages(packed)
-        node = self._root(namespace)
-        self._clock += 1
-        clock, page_bytes, end = self._clock, self._page_bytes, len(query)
-        offset = 0
+        path, offset, cut = self._walk(root, query)
+        check_token_range(packed, values, offset)
+        node = self._commit(root or self._new_root(namespace), path, cut)
+        if offset < len(query):
+            # A copy: the caller may reuse its tensor (e.g. a request-table row).
+            slots = pack_slots(indices, offset // TOKEN_BYTES, len(query) // TOKEN_BYTES)
+            leaf = TreeNode(node, query[offset:], slots, self._clock, self._new_id())
+            node.children[query[offset : offset + self._page_bytes]] = leaf
+            self._evictable_tokens += leaf.num_tokens
+            self._file_if_evictable(leaf)
+        return offset // TOKEN_BYTES
+
+    def _walk(
+        self, root: TreeNode | None, query: bytes
+    ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
+        """Follow `query` down without changing anything.
+
+        Returns the nodes whose whole edge matched, the matched length in
+        bytes, and, where the match ends inside an edge, that child and how
+        many of its bytes matched (the split `_commit` will make).
+        """
+        path: list[TreeNode] = []
+        if root is None:
+            return path, 0, None
+        node, offset, end, page_bytes = root, 0, len(query), self._page_bytes
         while offset < end:
-            first_page = query[offset : offset + page_bytes]
-            child = node.children.get(first_page)
+            child = node.children.get(query[offset : offset + page_bytes])
             if child is None:
-                self._add_leaf(node, first_page, query[offset:], indices, offset, end)
                 break
             if query.startswith(child.key, offset):
-                child.last_access = clock
+                path.append(child)
                 offset += len(child.key)
                 node = child
                 continue
             matched = common_prefix_pages(query, offset, child.key, page_bytes) * page_bytes
-            node = self._split(child, matched)
+            return path, offset + matched, (child, matched)
+        return path, offset, None
+
+    def _commit(
+        self, root: TreeNode, path: list[TreeNode], cut: tuple[TreeNode, int] | None
+    ) -> TreeNode:
+        """Refresh the walked path's access time, make its split; return its end.
+
+        A split node joins `path`, so `path` then lists exactly the nodes
+        whose slots make up the matched prefix.
+        """
+        self._clock += 1
+        clock = self._clock
+        for node in path:
             node.last_access = clock
-            offset += matched
-        return offset // TOKEN_BYTES
+        if cut is not None:
+            upper = self._split(*cut)
+            upper.last_access = clock
+            path.append(upper)
+        return path[-1] if path else root
 
     # --------------------------------------------------------------- locking
     def lock(self, node: TreeNode) -> None:
@@ -198,7 +223,7 @@ class RadixTree:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         lru, page_bytes = self._lru, self._page_bytes
-        freed: list[torch.Tensor] = []
+        freed: list[bytes] = []
         num_freed = 0
         while num_freed < num_tokens and lru:
             stamp, node_id, node = lru.pop(0)
@@ -213,12 +238,12 @@ class RadixTree:
             parent = node.parent
             del parent.children[node.key[:page_bytes]]
             node.parent = None
-            freed.append(node.value)
+            freed.append(node.slots)
             num_freed += node.num_tokens
             self._evictable_tokens -= node.num_tokens
             if parent.parent is not None:
                 self._file_if_evictable(parent)
-        return torch.cat(freed) if freed else _NO_SLOTS.clone()
+        return unpack_slots(freed)
 
     def reset(self) -> None:
         """Drop every node; every handle dies. The caller resets its pool."""
@@ -241,37 +266,22 @@ class RadixTree:
         cut = len(packed) - len(packed) % self._page_bytes
         return packed if cut == len(packed) else packed[:cut]
 
-    def _root(self, namespace: Hashable) -> TreeNode:
+    def _find_root(self, namespace: Hashable) -> TreeNode | None:
         try:
-            root = self._roots.get(namespace)
+            return self._roots.get(namespace)
         except TypeError:
             raise ValueError(
                 f"namespace must be hashable, got {type(namespace).__name__}"
             ) from None
-        if root is None:
-            root = TreeNode(None, b"", _NO_SLOTS, 0, self._new_id(), namespace)
-            self._roots[namespace] = root
+
+    def _new_root(self, namespace: Hashable) -> TreeNode:
+        root = TreeNode(None, b"", b"", 0, self._new_id(), namespace)
+        self._roots[namespace] = root
         return root
 
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id
-
-    def _add_leaf(
-        self,
-        parent: TreeNode,
-        first_page: bytes,
-        key: bytes,
-        indices: torch.Tensor,
-        start: int,
-        end: int,
-    ) -> None:
-        # Copy, so the caller may reuse its tensor (e.g. a request-table row).
-        value = indices[start // TOKEN_BYTES : end // TOKEN_BYTES].clone()
-        leaf = TreeNode(parent, key, value, self._clock, self._new_id())
-        parent.children[first_page] = leaf
-        self._evictable_tokens += leaf.num_tokens
-        self._file_if_evictable(leaf)
 
     def _split(self, child: TreeNode, matched_bytes: int) -> TreeNode:
         """Cut `child`'s edge after `matched_bytes`; return the new upper node.
@@ -282,14 +292,18 @@ class RadixTree:
         matched = matched_bytes // TOKEN_BYTES
         key, page_bytes = child.key, self._page_bytes
         upper = TreeNode(
-            child.parent, key[:matched_bytes], child.value[:matched], child.last_access, self._new_id()
+            child.parent,
+            key[:matched_bytes],
+            child.slots[:matched_bytes],
+            child.last_access,
+            self._new_id(),
         )
         upper.lock_ref = child.lock_ref
         upper.children[key[matched_bytes : matched_bytes + page_bytes]] = child
         child.parent.children[key[:page_bytes]] = upper
         child.parent = upper
         child.key = key[matched_bytes:]
-        child.value = child.value[matched:]
+        child.slots = child.slots[matched_bytes:]
         child.num_tokens -= matched
         return upper
 
