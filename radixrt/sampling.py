@@ -353,7 +353,9 @@ def _nucleus_threshold(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
     return threshold
 
 
-def _threshold_in(values: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _threshold_in(
+    values: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Nucleus threshold within descending `values`, and whether the nucleus fits in them."""
     probs = (values - log_norm).exp()
     mass = probs.cumsum(dim=-1)

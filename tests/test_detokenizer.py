@@ -198,7 +198,9 @@ token_ids = st.one_of(st.integers(0, 49151), st.integers(0, 300), st.sampled_fro
     skip=st.booleans(),
 )
 def test_streamed_text_is_the_truncated_full_decode(tokenizer, ids, stops, stop_token_ids, skip):
-    params = SamplingParams(stop=stops, stop_token_ids=stop_token_ids, skip_special_tokens=skip, max_new_tokens=len(ids))
+    params = SamplingParams(
+        stop=stops, stop_token_ids=stop_token_ids, skip_special_tokens=skip, max_new_tokens=len(ids)
+    )
     text = OutputText(tokenizer, params)
     deltas, reason, consumed = run(text, ids)
     assert "".join(deltas) == text.final_text()

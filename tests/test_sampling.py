@@ -87,7 +87,8 @@ def test_stop_token_ids_checked_against_vocabulary():
 def test_stop_and_stop_token_ids_are_normalised_to_tuples():
     assert SamplingParams().stop == () and SamplingParams().stop_token_ids == ()
     assert SamplingParams(stop="x").stop == ("x",)
-    assert SamplingParams(stop=["a", "bc"], stop_token_ids=[1, 2]) == SamplingParams(stop=("a", "bc"), stop_token_ids=(1, 2))
+    listed = SamplingParams(stop=["a", "bc"], stop_token_ids=[1, 2])
+    assert listed == SamplingParams(stop=("a", "bc"), stop_token_ids=(1, 2))
 
 
 def test_from_any():
@@ -242,7 +243,7 @@ def test_step_changes_the_draw_and_seeds_differ():
     assert uniform_for(5, 3) == uniform_for(5 + 2**64, 3)  # seeds count modulo 2**64
 
 
-def reference_penalties(row: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+def reference_penalties(row: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]):
     row = row.clone()
     for token in set(prompt) | set(output):
         penalty = params.repetition_penalty
