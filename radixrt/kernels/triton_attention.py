@@ -33,6 +33,8 @@ LOG2_E = 1.4426950408889634
 # The merge kernel reads the split axis as one block of this many entries, so
 # it compiles once however many splits a step uses.
 MAX_KV_SPLITS = 16
+# The decode kernels tile the KV length by this many tokens; a split is whole tiles.
+DECODE_BLOCK_N = 64
 
 
 @triton.jit
@@ -254,9 +256,52 @@ def decode_head_blocks(group: int) -> int:
     return triton.cdiv(group, decode_block_h(group))
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs would silently drop to tf32 on tensor cores; keep them exact."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+# Launch configurations: each kernel's constexprs and launch options, in one place
+# so that the ahead-of-time compile test builds exactly what is launched.
+
+
+def _decode_partial_config(dtype: torch.dtype, head_dim: int, group: int) -> dict[str, object]:
+    return dict(
+        GROUP=group, HEAD_BLOCKS=decode_head_blocks(group), BLOCK_H=decode_block_h(group),
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim,
+        DOT_PRECISION=_dot_precision(dtype), num_warps=4, num_stages=_num_stages(dtype),
+    )
+
+
+def _decode_merge_config(head_dim: int) -> dict[str, object]:
+    return dict(
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_S=MAX_KV_SPLITS, BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, num_warps=4, num_stages=1,
+    )
+
+
+def _extend_config(dtype: torch.dtype, head_dim: int, group: int) -> dict[str, object]:
+    block_d = triton.next_power_of_2(head_dim)
+    return dict(
+        GROUP=group, BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, HEAD_DIM=head_dim,
+        DOT_PRECISION=_dot_precision(dtype), num_warps=4 if block_d <= 64 else 8, num_stages=_num_stages(dtype),
+    )
+
+
+def launch_configs(dtype: torch.dtype, head_dim: int, group: int) -> list[tuple[object, dict[str, object]]]:
+    """Every kernel launched for one model shape with its launch config, for ahead-of-time compiles."""
+    return [
+        (_decode_partial_kernel, _decode_partial_config(dtype, head_dim, group)),
+        (_decode_merge_kernel, _decode_merge_config(head_dim)),
+        (_extend_kernel, _extend_config(dtype, head_dim, group)),
+    ]
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    """fp32 inputs would silently drop to tf32 on tensor cores: keep them exact.
+    Half types take Triton's default (the option only concerns fp32)."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _num_stages(dtype: torch.dtype) -> int:
+    """fp32 tiles are twice the size: one stage keeps them within the ~100 KB of
+    shared memory of consumer GPUs (fp32 is the interpreter's dtype, not a GPU target)."""
+    return 1 if dtype == torch.float32 else 2
 
 
 def decode_attention(
@@ -271,7 +316,6 @@ def decode_attention(
     mid_lse: torch.Tensor,
     out: torch.Tensor,
     sm_scale: float,
-    block_n: int = 64,
 ) -> None:
     """Attend one query row per decode sequence; writes rows `q_rows` of `out`.
 
@@ -285,11 +329,7 @@ def decode_attention(
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     num_splits = mid_out.shape[2]
-    block_h = decode_block_h(group)
-    head_blocks = decode_head_blocks(group)
-    block_d = triton.next_power_of_2(head_dim)
-    precision = _dot_precision(q.dtype)
-    _decode_partial_kernel[(num_seqs, num_kv_heads * head_blocks, num_splits)](
+    _decode_partial_kernel[(num_seqs, num_kv_heads * decode_head_blocks(group), num_splits)](
         q, k_cache, v_cache, kv_indices,
         q_rows, kv_starts, seq_lens,
         mid_out, mid_lse,
@@ -298,10 +338,7 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h,
-        BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=head_dim,
-        DOT_PRECISION=precision,
-        num_warps=4, num_stages=2,
+        **_decode_partial_config(q.dtype, head_dim, group),
     )
     _decode_merge_kernel[(num_seqs, num_q_heads)](
         mid_out, mid_lse, out,
@@ -310,8 +347,7 @@ def decode_attention(
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_N=block_n, BLOCK_S=MAX_KV_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,
-        num_warps=4, num_stages=1,
+        **_decode_merge_config(head_dim),
     )
 
 
@@ -329,19 +365,15 @@ def extend_attention(
     max_extend_len: int,
     out: torch.Tensor,
     sm_scale: float,
-    block_m: int = 64,
-    block_n: int = 64,
 ) -> None:
     """Attend the new tokens of each extend sequence; writes their rows of `out`.
 
     q/out: [T, Hq, D] and k_new/v_new: [T, Hkv, D] share row numbering (this
     step's new tokens); q_starts, extend_lens, prefix_lens, kv_starts: [n].
     """
-    num_seqs = q_starts.numel()
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_q_heads // k_cache.shape[1]
-    block_d = triton.next_power_of_2(head_dim)
-    _extend_kernel[(num_seqs, num_q_heads, triton.cdiv(max_extend_len, block_m))](
+    config = _extend_config(q.dtype, head_dim, num_q_heads // k_cache.shape[1])
+    _extend_kernel[(q_starts.numel(), num_q_heads, triton.cdiv(max_extend_len, config["BLOCK_M"]))](
         q, k_new, v_new, k_cache, v_cache, kv_indices, out,
         q_starts, extend_lens, prefix_lens, kv_starts,
         sm_scale * LOG2_E,
@@ -349,7 +381,5 @@ def extend_attention(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        **config,
     )

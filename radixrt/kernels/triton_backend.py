@@ -23,8 +23,6 @@ from radixrt.memory.kv_cache import KVCache
 from radixrt.model.forward_batch import ForwardBatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The decode kernel tiles the KV length by this many tokens; a split is whole tiles.
-DECODE_BLOCK_N = 64
 
 
 @dataclass(frozen=True)
@@ -112,7 +110,7 @@ class TritonAttentionBackend(AttentionBackend):
         group = self.num_q_heads // self.num_kv_heads
         programs = num_seqs * self.num_kv_heads * self._kernels.decode_head_blocks(group)
         wanted = -(-self._target_programs // programs)
-        tiles = -(-max_seq_len // DECODE_BLOCK_N)
+        tiles = -(-max_seq_len // self._kernels.DECODE_BLOCK_N)
         return max(1, min(wanted, tiles, self._kernels.MAX_KV_SPLITS))
 
     def _plan_extend(self, batch: ForwardBatch, ids: Sequence[int]) -> ExtendPlan:
@@ -148,7 +146,7 @@ class TritonAttentionBackend(AttentionBackend):
             self._kernels.decode_attention(
                 q_in, k_cache, v_cache, batch.kv_indices,
                 d.q_rows, d.kv_starts, d.seq_lens, d.mid_out, d.mid_lse,
-                out, self.scale, block_n=DECODE_BLOCK_N,
+                out, self.scale,
             )
         if plan.extend is not None:
             e = plan.extend
