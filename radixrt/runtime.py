@@ -100,6 +100,7 @@ class Runtime:
                 "cached_prompt_tokens": engine.cached_prompt_tokens,
                 "hit_rate": engine.cached_prompt_tokens / engine.prompt_tokens if engine.prompt_tokens else 0.0,
                 "computed_tokens": engine.num_computed_tokens,
+                "retracted_requests": engine.num_retracted,
             }
             stats.update(engine.cache.stats())
             return stats

@@ -52,6 +52,7 @@ class Engine:
         self._texts: dict[str, OutputText] = {}
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens the model actually ran, all requests together
+        self.num_retracted = 0
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
 
@@ -113,6 +114,7 @@ class Engine:
     # --- one step ----------------------------------------------------------------
     def step(self) -> None:
         batch = self.scheduler.schedule()
+        self.num_retracted += len(batch.retracted)
         for req in batch.retracted:
             logger.debug("retracted %s (%d output tokens kept)", req.rid, len(req.output_ids))
         if not batch.items:
