@@ -1,0 +1,196 @@
+"""Runtime behaviour a user relies on: bad input, n, salts, streaming, abort, threads."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+
+import pytest
+
+from radixrt import Runtime, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_llama_dir):
+    with Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=4096, check_invariants=True) as runtime:
+        yield runtime
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda rt: rt.generate(""), "empty"),
+        (lambda rt: rt.generate([]), "prompt"),
+        (lambda rt: rt.generate(ids(1000), {"max_new_tokens": 100}), "context length"),
+        (lambda rt: rt.generate("hi", {"max_new_tokens": -1}), "max_new_tokens"),
+        (lambda rt: rt.generate("hi", {"temperature": -0.5}), "temperature"),
+        (lambda rt: rt.generate("hi", {"temperature": math.nan}), "temperature"),
+        (lambda rt: rt.generate("hi", {"top_p": 0.0}), "top_p"),
+        (lambda rt: rt.generate("hi", {"top_p": 1.5}), "top_p"),
+        (lambda rt: rt.generate([5, 999999]), "vocabulary"),
+        (lambda rt: rt.generate([5, -1]), "vocabulary"),
+        (lambda rt: rt.generate("hi", {"max_tokens": 5}), "max_tokens"),
+        (lambda rt: rt.generate("hi", {"stop": 3}), "stop"),
+        (lambda rt: rt.generate("hi", {"stop": ["ok", None]}), "stop"),
+        (lambda rt: rt.generate("hi", cache_salt=5), "cache_salt"),
+        (lambda rt: rt.generate([{"content": "no role"}]), "role"),
+    ],
+)
+def test_bad_input_is_rejected_and_the_runtime_keeps_serving(rt, call, field):
+    with pytest.raises(ValueError, match=field):
+        call(rt)
+    assert rt.generate(ids(10), GREEDY)["meta_info"]["completion_tokens"] == 6
+
+
+def test_unknown_runtime_option_names_the_option(tiny_llama_dir):
+    with pytest.raises(ValueError, match="page_sise"):
+        Runtime(tiny_llama_dir, page_sise=4)
+    with pytest.raises(ValueError, match="schedule_policy"):
+        Runtime(tiny_llama_dir, schedule_policy="random")
+
+
+def test_result_shape_and_batch_order(rt):
+    prompts = [ids(5 + 3 * i, seed=i) for i in range(6)]
+    alone = [rt.generate(p, GREEDY) for p in prompts]
+    together = rt.generate(prompts, GREEDY)
+    assert [r["output_ids"] for r in together] == [r["output_ids"] for r in alone]
+    meta = together[0]["meta_info"]
+    assert set(meta) >= {"prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason", "ttft", "e2e_latency"}
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 6
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert 0 <= meta["ttft"] <= meta["e2e_latency"]
+    assert isinstance(together[0]["text"], str)
+
+
+def test_n_samples_share_the_prompt_and_seeds_reproduce(rt):
+    prompt = ids(80, seed=3)
+    params = {"max_new_tokens": 8, "temperature": 1.0, "n": 4, "seed": 11, "ignore_eos": True}
+    first = rt.generate(prompt, params)
+    assert len(first) == 4
+    assert sum(r["meta_info"]["cached_tokens"] for r in first) >= 3 * 79, "the prompt is computed once"
+    again = rt.generate(prompt, params)
+    assert [r["output_ids"] for r in again] == [r["output_ids"] for r in first]
+    assert len({tuple(r["output_ids"]) for r in first}) > 1, "different samples per seed + i"
+
+
+def test_cache_salt_isolates_namespaces(rt):
+    prompt = ids(64, seed=4)
+    rt.generate(prompt, GREEDY, cache_salt="tenant-a")
+    other = rt.generate(prompt, GREEDY, cache_salt="tenant-b")
+    same = rt.generate(prompt, GREEDY, cache_salt="tenant-a")
+    assert other["meta_info"]["cached_tokens"] == 0
+    assert same["meta_info"]["cached_tokens"] == 63
+    assert other["output_ids"] == same["output_ids"]
+
+
+def test_stream_chunks_add_up_to_the_result(rt):
+    prompt = ids(20, seed=5)
+    whole = rt.generate(prompt, {**GREEDY, "max_new_tokens": 12})
+    chunks = list(rt.generate(prompt, {**GREEDY, "max_new_tokens": 12}, stream=True))
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+    assert chunks[-1]["finished"] and chunks[-1]["meta_info"]["completion_tokens"] == 12
+
+
+def test_stop_string_is_cut_from_the_text(rt, tiny_tokenizer):
+    prompt = ids(20, seed=6)
+    whole = rt.generate(prompt, {**GREEDY, "max_new_tokens": 16})
+    text = whole["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("the tiny model's output has no usable stop string here")
+    cut = rt.generate(prompt, {**GREEDY, "max_new_tokens": 16, "stop": stop})
+    assert cut["text"] == text[: text.index(stop)]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_abort_frees_the_request(rt):
+    prompt = ids(30, seed=7)
+    stream = rt.generate(prompt, {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}, stream=True)
+    first = next(stream)
+    stream.close()  # leaving early aborts
+    rt.generate(ids(8), GREEDY)  # the engine has processed the abort by now
+    stats = rt.cache_stats()
+    assert first["finished"] is False
+    assert stats["protected_tokens"] == 0
+    assert stats["pool_used_tokens"] == stats["tree_tokens"]
+
+
+def test_abort_by_id_reports_abort(rt):
+    outputs = []
+    prompt = ids(30, seed=8)
+    stream = rt.generate(prompt, {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}, stream=True)
+    for chunk in stream:
+        outputs.append(chunk)
+        if len(outputs) == 2:
+            rt.abort(rt_request_id(rt))
+        if chunk["finished"]:
+            break
+    assert outputs[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert outputs[-1]["meta_info"]["completion_tokens"] < 500
+
+
+def rt_request_id(rt: Runtime) -> str:
+    with rt._cv:
+        (rid,) = rt.engine.requests
+    return rid
+
+
+def test_threads_and_asyncio_share_one_engine(rt):
+    prompts = [ids(10 + i, seed=20 + i) for i in range(8)]
+    expected = [r["output_ids"] for r in rt.generate(prompts, GREEDY)]
+    results: dict[int, list[int]] = {}
+
+    def worker(i: int) -> None:
+        results[i] = rt.generate(prompts[i], GREEDY)["output_ids"]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(8)] == expected
+
+    async def main() -> list[list[int]]:
+        outs = await asyncio.gather(*(rt.async_generate(p, GREEDY) for p in prompts))
+        return [o["output_ids"] for o in outs]
+
+    assert asyncio.run(main()) == expected
+
+
+def test_prompt_logprobs_and_output_logprobs(rt, tiny_llama_hf):
+    import torch
+
+    prompt = ids(12, seed=9)
+    out = rt.generate(prompt, {**GREEDY, "max_new_tokens": 0}, logprob_start_len=4)
+    with torch.inference_mode():
+        logits = tiny_llama_hf(torch.tensor([prompt])).logits[0].float()
+    reference = torch.log_softmax(logits, -1)[torch.arange(3, 11), torch.tensor(prompt[4:12])]
+    got = torch.tensor(out["meta_info"]["input_token_logprobs"])
+    assert out["output_ids"] == [] and got.shape == reference.shape
+    assert torch.allclose(got, reference, atol=1e-4)
+    sampled = rt.generate(prompt, {**GREEDY, "return_logprob": True})
+    assert len(sampled["meta_info"]["output_token_logprobs"]) == 6
+
+
+def test_flush_cache_empties_the_tree(rt):
+    rt.generate(ids(40, seed=10), GREEDY)
+    assert rt.cache_stats()["tree_tokens"] > 0
+    rt.flush_cache()
+    stats = rt.cache_stats()
+    assert stats["tree_tokens"] == 0 and stats["prompt_tokens"] == 0 and stats["pool_used_tokens"] == 0
+
+
+def test_sampling_params_object_is_accepted(rt):
+    out = rt.generate(ids(9), SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
+    assert out["meta_info"]["completion_tokens"] == 3
