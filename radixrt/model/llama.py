@@ -66,9 +66,9 @@ class LlamaDecoderLayer(nn.Module):
         num_qk_heads = config.num_heads + config.num_kv_heads
         qk = rope.apply(qkv[:, :num_qk_heads], cos, signed_sin)
         # Backends get dense tensors: GPU kernels may assume them.
-        q = qk[:, : config.num_heads].contiguous()
-        k = qk[:, config.num_heads :].contiguous()
-        v = qkv[:, num_qk_heads:].contiguous()
+        q = qk[:, : config.num_heads]
+        k = qk[:, config.num_heads :]
+        v = qkv[:, num_qk_heads:]
         attn = backend.forward(q, k, v, self.index, batch, plan)
         hidden = hidden + F.linear(attn.reshape(num_tokens, -1), self.o_proj, self.o_bias)
         x = F.rms_norm(hidden, norm_shape, self.post_attention_norm, config.rms_norm_eps)

@@ -1,0 +1,116 @@
+"""The torch attention backend against a per-sequence fp32 softmax reference, and backend choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixrt.kernels.registry import create_backend
+from radixrt.kernels.torch_backend import TorchAttentionBackend
+from radixrt.memory.kv_cache import KVCache, KVShape
+from radixrt.model.forward_batch import ForwardBatch
+
+# (prefix_len, extend_len) per sequence; each layout exercises a different plan:
+BATCHES = {
+    "single-prefill": [(0, 37)],  # one sequence, no prefix: is_causal, no gather padding
+    "single-extend": [(50, 13)],  # offset causal mask
+    "decode-equal": [(20, 1), (20, 1), (20, 1)],  # decode group without a mask
+    "decode-ragged": [(5, 1), (64, 1), (0, 1), (257, 1)],  # masked decode group, a one-token prompt
+    "extend-packed": [(10, 8), (12, 6), (9, 9)],  # similar extends share one padded call
+    "extend-split": [(200, 2), (0, 40), (1, 3)],  # too ragged to pack all: two calls
+    "mixed": [(0, 37), (45, 1), (100, 20), (0, 1), (300, 1), (17, 70), (33, 9)],
+}
+
+
+def make_case(specs, page_size, num_q_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
+    """A pool of random values; each sequence gets shuffled pages (slots in order inside a page)."""
+    generator = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-(p + e) // page_size) for p, e in specs]
+    num_pages = sum(pages_per_seq) + 2
+    order = torch.randperm(num_pages, generator=generator)
+    kv_slots, taken = [], 0
+    for (p, e), n in zip(specs, pages_per_seq):
+        pages = order[taken : taken + n]
+        taken += n
+        kv_slots.append((pages[:, None] * page_size + torch.arange(page_size)).flatten()[: p + e])
+    cache = KVCache(KVShape(2, num_kv_heads, head_dim, dtype), num_pages * page_size)
+    for layer in range(2):
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=generator))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=generator))
+    batch = ForwardBatch.build([[0] * e for _, e in specs], [p for p, _ in specs], kv_slots)
+    num_tokens = batch.num_tokens
+    q, k, v = (torch.randn(num_tokens, h, head_dim, generator=generator).to(dtype) for h in (num_q_heads, num_kv_heads, num_kv_heads))
+    return cache, batch, q, k, v
+
+
+def reference(cache, batch, q, k, v, layer):
+    """Softmax attention one sequence at a time, in fp32, over a copy of the pool with the new K/V."""
+    pool_k, pool_v = cache.k[layer].float().clone(), cache.v[layer].float().clone()
+    pool_k[batch.out_slots], pool_v[batch.out_slots] = k.float(), v.float()
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape)
+    for i, (prefix, extend) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+        slots = batch.kv_indices[batch.kv_indptr[i] : batch.kv_indptr[i + 1]]
+        keys = pool_k[slots].repeat_interleave(group, dim=1)
+        values = pool_v[slots].repeat_interleave(group, dim=1)
+        rows = slice(int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1]))
+        scores = torch.einsum("ehd,shd->hes", q[rows].float(), keys) * q.shape[-1] ** -0.5
+        visible = torch.arange(prefix + extend)[None, :] <= prefix + torch.arange(extend)[:, None]
+        out[rows] = torch.einsum("hes,shd->ehd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(BATCHES))
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(4, 4, 64), (6, 2, 64), (8, 2, 128)])
+def test_matches_reference(layout, page_size, num_q_heads, num_kv_heads, head_dim):
+    cache, batch, q, k, v = make_case(BATCHES[layout], page_size, num_q_heads, num_kv_heads, head_dim)
+    expected = reference(cache, batch, q, k, v, layer=1)
+    backend = TorchAttentionBackend(cache, num_q_heads, num_kv_heads, head_dim, page_size)
+    out = backend.forward(q, k, v, 1, batch, backend.plan(batch))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.equal(cache.k[1][batch.out_slots], k) and torch.equal(cache.v[1][batch.out_slots], v)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_and_strided_inputs():
+    """bf16 pool; q/k/v given as strided views of one q|k|v buffer, as the model passes them."""
+    cache, batch, q, k, v = make_case(BATCHES["mixed"], 4, 6, 2, 64, dtype=torch.bfloat16)
+    fused = torch.cat([q, k, v], dim=1)
+    q_view, k_view, v_view = fused[:, :6], fused[:, 6:8], fused[:, 8:]
+    backend = TorchAttentionBackend(cache, 6, 2, 64, 4)
+    out = backend.forward(q_view, k_view, v_view, 0, batch, backend.plan(batch))
+    torch.testing.assert_close(out.float(), reference(cache, batch, q, k, v, layer=0), atol=2e-2, rtol=2e-2)
+
+
+def test_plan_is_reused_by_every_layer():
+    cache, batch, q, k, v = make_case(BATCHES["mixed"], 1, 6, 2, 64)
+    backend = TorchAttentionBackend(cache, 6, 2, 64)
+    plan = backend.plan(batch)
+    for layer in (0, 1):
+        out = backend.forward(q, k, v, layer, batch, plan)
+        torch.testing.assert_close(out, reference(cache, batch, q, k, v, layer), atol=1e-5, rtol=1e-5)
+
+
+def test_constructor_validates_shapes():
+    cache = KVCache(KVShape(1, 2, 64, torch.float32), 16)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        TorchAttentionBackend(cache, 5, 2, 64)
+    with pytest.raises(ValueError, match="must match the KV cache"):
+        TorchAttentionBackend(cache, 4, 2, 128)
+
+
+def test_registry_auto_picks_torch_on_cpu():
+    cache = KVCache(KVShape(1, 2, 64, torch.float32), 16)
+    for name in (None, "auto", "torch"):
+        backend = create_backend(name, cache, 4, 2, 64, page_size=1)
+        assert isinstance(backend, TorchAttentionBackend) and backend.name == "torch"
+
+
+def test_registry_rejects_unknown_and_gpu_backends_on_cpu():
+    cache = KVCache(KVShape(1, 2, 64, torch.float32), 16)
+    with pytest.raises(ValueError, match="one of auto, flashinfer, triton, torch; got 'cuda'"):
+        create_backend("cuda", cache, 4, 2, 64)
+    for name in ("triton", "flashinfer"):
+        with pytest.raises(ValueError, match="needs a CUDA KV cache"):
+            create_backend(name, cache, 4, 2, 64)
