@@ -65,7 +65,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias).view(num_tokens, -1, config.head_dim)
         num_qk_heads = config.num_heads + config.num_kv_heads
         qk = rope.apply(qkv[:, :num_qk_heads], cos, signed_sin)
-        # Backends get dense tensors: GPU kernels may assume them.
+        # Strided views (head_dim stride 1), not copies: every backend takes row/head strides.
         q = qk[:, : config.num_heads]
         k = qk[:, config.num_heads :]
         v = qkv[:, num_qk_heads:]
