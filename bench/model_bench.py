@@ -1,0 +1,121 @@
+"""Forward-pass speed of radixrt's model runner against transformers, same weights, same run.
+
+Measures, for the bundled SmolLM2-135M-Instruct on this machine, per dtype:
+  prefill   one prompt of --prefill-len tokens: tokens/s (transformers: model(input_ids)
+            with logits_to_keep=1, as generate() does; radixrt: one ForwardBatch)
+  decode    one step for --batch-sizes sequences of --context tokens each: ms/step
+            (transformers: one step with its DynamicCache, cropped back after each run;
+            radixrt: one decode batch over the paged pool, torch attention backend)
+Medians of --runs timed runs after one warm-up. Not a test: nothing is asserted.
+
+    python bench/model_bench.py [--dtypes fp32,bf16] [--prefill-len 512] [--context 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+import torch
+import transformers
+
+from radixrt.kernels.registry import create_backend
+from radixrt.memory.kv_cache import KVCache
+from radixrt.model.forward_batch import ForwardBatch
+from radixrt.model.loader import LoadedModel, load_model
+from radixrt.model.runner import ModelRunner
+
+
+def median_seconds(step: Callable[[], object], runs: int, reset: Callable[[], None] | None = None) -> float:
+    times = []
+    for i in range(runs + 1):
+        if reset is not None:
+            reset()
+        start = time.perf_counter()
+        step()
+        if i:  # the first run is a warm-up
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def make_runner(loaded: LoadedModel, num_slots: int) -> ModelRunner:
+    config = loaded.config
+    kv_cache = KVCache(config.kv_shape(loaded.model.dtype), num_slots)
+    backend = create_backend("torch", kv_cache, config.num_heads, config.num_kv_heads, config.head_dim)
+    return ModelRunner(loaded.model, kv_cache, backend)
+
+
+def bench_prefill(loaded: LoadedModel, hf_model: torch.nn.Module, length: int, runs: int) -> tuple[float, float]:
+    ids = torch.randint(0, loaded.config.vocab_size, (length,), generator=torch.Generator().manual_seed(0))
+    runner = make_runner(loaded, length)
+    batch = ForwardBatch.build([ids.tolist()], [0], [torch.arange(length)])
+    ours = median_seconds(lambda: runner.forward(batch), runs)
+    with torch.inference_mode():
+        theirs = median_seconds(lambda: hf_model(ids[None], logits_to_keep=1), runs)
+    return ours, theirs
+
+
+def bench_decode(
+    loaded: LoadedModel, hf_model: torch.nn.Module, batch_size: int, context: int, runs: int
+) -> tuple[float, float]:
+    generator = torch.Generator().manual_seed(batch_size)
+    prompts = torch.randint(0, loaded.config.vocab_size, (batch_size, context), generator=generator)
+    runner = make_runner(loaded, batch_size * context)
+    slots = [torch.arange(i * context, (i + 1) * context) for i in range(batch_size)]
+    runner.forward(ForwardBatch.build([p[:-1].tolist() for p in prompts], [0] * batch_size, [s[:-1] for s in slots]))
+    step = ForwardBatch.build([[int(p[-1])] for p in prompts], [context - 1] * batch_size, slots)
+    ours = median_seconds(lambda: runner.forward(step), runs)
+    with torch.inference_mode():
+        cache = hf_model(prompts[:, :-1], use_cache=True).past_key_values
+        last = prompts[:, -1:]
+
+        def drop_last_step() -> None:
+            extra = cache.get_seq_length() - (context - 1)
+            if extra:
+                cache.crop(-extra)
+
+        theirs = median_seconds(
+            lambda: hf_model(last, past_key_values=cache, use_cache=True, logits_to_keep=1), runs, drop_last_step
+        )
+    return ours, theirs
+
+
+def cpu_name() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown"
+    names = [line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")]
+    return names[0] if names else "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    print(f"CPU: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+          f"transformers {transformers.__version__}")
+    print("| dtype | measure | radixrt | transformers | radixrt speed-up |")
+    print("|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        loaded = load_model(None, device="cpu", dtype=dtype)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=loaded.model.dtype).eval()
+        ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs)
+        print(f"| {dtype} | prefill {args.prefill_len} tokens (tokens/s) | {args.prefill_len / ours:.0f} | "
+              f"{args.prefill_len / theirs:.0f} | {theirs / ours:.2f}x |", flush=True)
+        for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+            ours, theirs = bench_decode(loaded, hf_model, batch_size, args.context, args.runs)
+            print(f"| {dtype} | decode step, batch {batch_size}, {args.context}-token contexts (ms) | "
+                  f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
