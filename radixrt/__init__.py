@@ -21,6 +21,7 @@ _EXPORTS = {
     "system": "radixrt.lang",
     "user": "radixrt.lang",
     "assistant": "radixrt.lang",
+    "set_default_runtime": "radixrt.lang",
 }
 
 __all__ = sorted(_EXPORTS)
