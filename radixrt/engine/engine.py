@@ -122,7 +122,7 @@ class Engine:
         self.num_steps += 1
         self._log_step(batch)
         forward_batch = ForwardBatch.build(
-            [r.fill_ids[r.num_computed : r.num_computed + n] for r, n in batch.items],
+            [r.fill_slice(r.num_computed, r.num_computed + n) for r, n in batch.items],
             [r.num_computed for r, _ in batch.items],
             [r.slots[: r.num_computed + n] for r, n in batch.items],
             device=self.device,

@@ -84,6 +84,15 @@ class Request:
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building fill_ids (the per-step path)."""
+        num_prompt = len(self.prompt_ids)
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - num_prompt]
+
     @property
     def fill_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
@@ -92,10 +101,6 @@ class Request:
     def num_pending(self) -> int:
         """Tokens whose KV must be computed before the next token can be sampled."""
         return self.fill_len - self.num_computed
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_pending > 1 or not self.output_ids and self.num_pending > 0
 
     @property
     def private_slots(self) -> int:
