@@ -130,7 +130,7 @@ class _BarrierRuntime:
     """Lets a generate call through only when `parties` of them wait at once: proves concurrency."""
 
     def __init__(self, rt, parties):
-        self.tokenizer = rt.tokenizer
+        self.tokenizer, self.config = rt.tokenizer, rt.config
         self._rt = rt
         self._barrier = threading.Barrier(parties, timeout=20)
 

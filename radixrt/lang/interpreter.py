@@ -46,9 +46,11 @@ def cache_prefix(ctx: ProgramContext) -> None:
     step as the first share its work only when the shared part is long
     enough for the scheduler's in-batch sharing, and late ones may compute
     it again. SGLang's frontend commits a prefix before forking the same way.
+    With the runtime's cache disabled there is nothing to share, so only the
+    text is tokenized.
     """
     prompt = ctx.prompt_ids()
-    if prompt:
+    if prompt and not ctx.runtime.config.disable_radix_cache:
         ctx.runtime.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0})
 
 
