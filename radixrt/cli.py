@@ -1,4 +1,4 @@
-"""The `radixrt` command: generate, demo."""
+"""The `radixrt` command: generate, demo, bench."""
 
 from __future__ import annotations
 
@@ -32,9 +32,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
 
     commands.add_parser("demo", help="the table example: a long shared prefix hit by a second question")
+    # bench's own options belong to the suite (radixrt/benchmarks/suite.py): they pass through
+    # unparsed, so `radixrt bench --help` prints the suite's help.
+    commands.add_parser("bench", add_help=False, help="the benchmark suite (radixrt bench --help for its options)")
 
-
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return _bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from radixrt.runtime import Runtime
 
@@ -72,6 +78,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"radixrt: {error}", file=sys.stderr)
             return 2
     return 0
+
+
+def _bench(args: argparse.Namespace, rest: list[str]) -> int:
+    """Run the suite; the global --model/--device/--dtype/--attention-backend/--page-size apply to it."""
+    if args.disable_radix_cache:
+        print("radixrt: bench runs radixrt with and without the cache; choose with --systems", file=sys.stderr)
+        return 2
+    from radixrt.benchmarks.suite import main as bench_main
+
+    forwarded = ["--device", args.device, "--dtype", args.dtype, "--attention-backend", args.attention_backend,
+                 "--page-size", str(args.page_size)]
+    if args.model is not None:
+        forwarded += ["--model", args.model]
+    return bench_main(forwarded + rest)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""The systems under test behind one small interface: radixrt with its radix cache, and without.
+
+A system turns prompts (token ids) into completions and says, for each, when
+its first and last tokens came and how much of its prompt came from a cache.
+The transformers baseline implements the same interface in `hf_system`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from radixrt.benchmarks.workloads import Sampling
+
+SYSTEM_NAMES = ("radixrt", "radixrt-no-cache", "transformers")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated sequence and its timings (seconds from its submission)."""
+
+    output_ids: tuple[int, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    e2e_s: float
+
+
+class System(Protocol):
+    """What a workload driver needs from a system.
+
+    `concurrent`: `generate` may be called from several threads at once and
+    batches what they submit (radixrt); otherwise drivers batch for it.
+    """
+
+    name: str
+    concurrent: bool
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, n: int = 1) -> list[list[Completion]]:
+        """For each prompt, its n completions (n > 1: sampled, sharing the prompt)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every cached prefix, so the next repetition starts cold."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class RadixSystem:
+    """radixrt.Runtime, with the radix cache on (`radixrt`) or off (`radixrt-no-cache`)."""
+
+    concurrent = True
+
+    def __init__(self, model: str | None, *, cache: bool, device: str, dtype: str, attention_backend: str,
+                 page_size: int):
+        from radixrt.runtime import Runtime
+
+        self.name = "radixrt" if cache else "radixrt-no-cache"
+        self.runtime = Runtime(model, device=device, dtype=dtype, attention_backend=attention_backend,
+                               page_size=page_size, disable_radix_cache=not cache)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, n: int = 1) -> list[list[Completion]]:
+        params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                  "seed": sampling.seed, "ignore_eos": True, "n": n}
+        outputs = self.runtime.generate(input_ids=[list(p) for p in prompts], sampling_params=params)
+        completions = [completion_of(out) for out in outputs]
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def reset(self) -> None:
+        self.runtime.flush_cache()
+
+    def close(self) -> None:
+        self.runtime.shutdown()
+
+
+def completion_of(output: dict[str, Any]) -> Completion:
+    """A Completion from a radixrt result dict (Runtime.generate or a lang program's meta_info)."""
+    meta = output["meta_info"]
+    return Completion(tuple(output["output_ids"]), meta["prompt_tokens"], meta["cached_tokens"],
+                      meta["ttft"], meta["e2e_latency"])
+
+
+def resolved_device(device: str) -> str:
+    """"auto" made concrete the way radixrt.Runtime does it: cuda when available, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_folder(model: str | None) -> Path:
+    """The Hugging Face folder behind `model` (the bundled GGUF's converted cache folder for None),
+    which transformers loads for the baseline and whose tokenizer builds the prompts."""
+    from radixrt.model.gguf_cache import gguf_to_hf_folder
+    from radixrt.model.loader import bundled_model_path
+
+    source = bundled_model_path() if model is None else Path(model).expanduser()
+    if not source.exists():
+        raise FileNotFoundError(f"model path {str(source)!r} does not exist")
+    return gguf_to_hf_folder(source) if source.is_file() else source
+
+
+def make_system(name: str, model: str | None, device: str, dtype: str, attention_backend: str,
+                page_size: int) -> System:
+    """A ready system by name (one of SYSTEM_NAMES)."""
+    if name == "transformers":
+        from radixrt.benchmarks.hf_system import TransformersSystem
+
+        return TransformersSystem(model_folder(model), device=device, dtype=dtype)
+    if name in ("radixrt", "radixrt-no-cache"):
+        return RadixSystem(model, cache=name == "radixrt", device=device, dtype=dtype,
+                           attention_backend=attention_backend, page_size=page_size)
+    raise ValueError(f"unknown system {name!r}; choose from {list(SYSTEM_NAMES)}")
