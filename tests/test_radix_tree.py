@@ -106,6 +106,22 @@ def test_lock_counts_nest_and_unlock_of_unlocked_node_raises():
     tree.check_invariants()
 
 
+def test_unlock_refuses_a_node_locked_only_through_a_descendant():
+    tree = RadixTree()
+    tree.insert([1, 2, 3], slots(0, 3))
+    parent = tree.match_prefix([1, 2]).last_node
+    child = tree.match_prefix([1, 2, 3]).last_node
+    root = parent.parent
+    tree.lock(child)
+    before = tree.pretty()
+    for node in (parent, root):
+        with pytest.raises(ValueError, match="not locked"):
+            tree.unlock(node)
+    assert tree.pretty() == before
+    tree.unlock(child)
+    tree.check_invariants()
+
+
 def test_lock_and_unlock_of_the_root_are_allowed():
     tree = RadixTree()
     tree.insert([1, 2], slots(0, 2))

@@ -29,7 +29,9 @@ NAMESPACES = st.sampled_from([None, "tenant"])
 
 
 class RefPage:
-    __slots__ = ("parent", "children", "page", "slots", "last_used", "locks", "node_end", "alive")
+    __slots__ = (
+        "parent", "children", "page", "slots", "last_used", "locks", "own_locks", "node_end", "alive"
+    )
 
     def __init__(self, parent: RefPage | None, page: tuple, slots: list[int], last_used: int):
         self.parent = parent
@@ -37,7 +39,8 @@ class RefPage:
         self.page = page
         self.slots = slots
         self.last_used = last_used
-        self.locks = 0
+        self.locks = 0  # locks taken on this page or below it
+        self.own_locks = 0  # locks taken on a handle ending at this page
         self.node_end = False
         self.alive = True
 
@@ -239,7 +242,7 @@ class TreeMachine(RuleBasedStateMachine):
     @rule(handle=handles)
     def unlock(self, handle: tuple[TreeNode, RefPage]):
         node, ref_node = handle
-        if not ref_node.alive or not ref_node.locks:
+        if not ref_node.alive or not ref_node.own_locks:
             with pytest.raises(ValueError):
                 self.tree.unlock(node)
             return
@@ -268,6 +271,7 @@ class TreeMachine(RuleBasedStateMachine):
             self.reference.roots = {}
 
     def _lock_reference(self, ref_node: RefPage, delta: int) -> None:
+        ref_node.own_locks += delta
         for page in self.reference.path_to_root(ref_node):
             page.locks += delta
 

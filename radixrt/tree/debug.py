@@ -29,7 +29,7 @@ def check_invariants(tree: RadixTree) -> None:
     for namespace, root in tree._roots.items():
         assert root.parent is None and root.key == b"" and root.num_tokens == 0
         assert root.namespace == namespace or root.namespace is namespace
-        assert root.lock_ref >= 0, "negative lock count on a root"
+        _check_lock_counts(root)
         assert root.node_id not in seen
         seen.add(root.node_id)
         stack = [root]
@@ -44,7 +44,7 @@ def check_invariants(tree: RadixTree) -> None:
                 assert child.key[:page_bytes] == first_page, "child filed under a wrong first page"
                 assert child.num_tokens == len(child.key) // TOKEN_BYTES
                 assert len(child.slots) == len(child.key), "slots and tokens differ in length"
-                assert 0 <= child.lock_ref <= node.lock_ref, "lock count below a child's or < 0"
+                _check_lock_counts(child)
                 if node.parent is not None:
                     assert child.last_access <= node.last_access, "child used after its parent"
                 if child.lock_ref:
@@ -64,6 +64,14 @@ def check_invariants(tree: RadixTree) -> None:
         assert node.lru_stamp == stamp and node.node_id == node_id and node_id in seen
     all_slots = unpack_slots(slots)
     assert torch.unique(all_slots).numel() == all_slots.numel(), "a slot is held twice"
+
+
+def _check_lock_counts(node: TreeNode) -> None:
+    # A node's count is its own locks plus its children's counts, so it is
+    # >= each child's, and no count is negative.
+    assert node.own_lock_ref >= 0, "negative own lock count"
+    below = sum(child.lock_ref for child in node.children.values())
+    assert node.lock_ref == node.own_lock_ref + below, "lock counts do not add up"
 
 
 def pretty(tree: RadixTree) -> str:

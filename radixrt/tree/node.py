@@ -28,6 +28,7 @@ class TreeNode:
         "slots",
         "num_tokens",
         "lock_ref",
+        "own_lock_ref",
         "last_access",
         "lru_stamp",
         "node_id",
@@ -48,7 +49,11 @@ class TreeNode:
         self.key = key
         self.slots = slots
         self.num_tokens = len(key) // TOKEN_BYTES
+        # lock_ref counts the locks on this node and below it (what protects
+        # it); own_lock_ref only those taken on this node itself, so unlock
+        # can refuse a node that holds a lock only through a descendant.
         self.lock_ref = 0
+        self.own_lock_ref = 0
         self.last_access = last_access
         # The last_access under which this node is filed in the tree's LRU
         # list, or -1 when it is not filed (see RadixTree._file_if_evictable).

@@ -172,27 +172,27 @@ class RadixTree:
     # --------------------------------------------------------------- locking
     def lock(self, node: TreeNode) -> None:
         """Protect the path root..`node` from eviction (a reference count)."""
-        self._walk_locks(node, +1)
+        self._check_handle(node)
+        self._add_to_path(node, +1)
+        node.own_lock_ref += 1
 
     def unlock(self, node: TreeNode) -> None:
         """Release one `lock(node)`; the path becomes evictable at count 0."""
-        if not isinstance(node, TreeNode):
-            raise ValueError(f"unlock needs a TreeNode, got {type(node).__name__}")
-        if node.lock_ref <= 0:
+        self._check_handle(node)
+        if node.own_lock_ref <= 0:
             raise ValueError(f"unlock of a node that is not locked: {node!r}")
-        self._walk_locks(node, -1)
+        node.own_lock_ref -= 1
+        self._add_to_path(node, -1)
         if node.parent is not None:
             self._file_if_evictable(node)
 
-    def _walk_locks(self, node: TreeNode, delta: int) -> None:
+    def _check_handle(self, node: TreeNode) -> None:
         if not isinstance(node, TreeNode):
-            raise ValueError(f"lock needs a TreeNode, got {type(node).__name__}")
-        self._add_to_path(node, delta)
+            raise ValueError(f"expected a TreeNode, got {type(node).__name__}")
         top = node
         while top.parent is not None:
             top = top.parent
         if self._roots.get(top.namespace) is not top:
-            self._add_to_path(node, -delta)
             raise ValueError(
                 f"{node!r} is not in this tree (it was evicted, or the tree reset)"
             )
