@@ -280,28 +280,17 @@ def deep_match(as_array: bool, runs: int) -> dict[str, float]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller traces, 3 runs")
-    parser.add_argument("--runs", type=int, default=None, help="replays per workload (median)")
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--input", choices=("array", "list"), default="array",
-                        help="token type given to the tree (array('q') or list)")
-    args = parser.parse_args()
-    scale = 0.25 if args.quick else 1.0
-    runs = args.runs or (3 if args.quick else 5)
-    torch.set_num_threads(1)
-    as_array = args.input == "array"
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, page_size "
-          f"{args.page_size}, input {args.input}, scale {scale}, median of {runs} runs")
-    header = (f"{'workload':16} {'requests':>8} {'ops':>7} {'us/op':>7} {'anchor':>7} "
-              f"{'speed-up':>8} {'tokens/s':>11} {'hit rate':>8}")
-    print(header)
+def run_all(as_array: bool, scale: float, runs: int, page_size: int) -> None:
+    """Print the per-workload table and the deep-match figures for one input type."""
+    print(f"\ntokens given as {'array(q)' if as_array else 'list'}; page_size {page_size}, "
+          f"scale {scale}, median of {runs} replays")
+    print(f"{'workload':16} {'requests':>8} {'ops':>7} {'us/op':>7} {'anchor':>7} "
+          f"{'speed-up':>8} {'tokens/s':>11} {'hit rate':>8}")
     for seed, (name, generate) in enumerate(WORKLOADS.items()):
         requests = generate(random.Random(seed), scale)
         trace, distinct_tokens = prepare(requests, as_array)
-        recording = record(trace, distinct_tokens, args.page_size)
-        seconds = statistics.median(replay(recording, args.page_size) for _ in range(runs))
+        recording = record(trace, distinct_tokens, page_size)
+        seconds = statistics.median(replay(recording, page_size) for _ in range(runs))
         ops = len(recording.calls)
         us_per_op = seconds / ops * 1e6
         tokens = sum(length for _, _, length in trace)
@@ -312,6 +301,24 @@ def main() -> None:
         anchor = ANCHOR_DEEP_MATCH_MS[label]
         print(f"match_prefix of a 100,000-token key stored as {label}: {ms:.3f} ms "
               f"(anchor {anchor} ms, {anchor / ms:.1f}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="quarter-size traces, 3 replays")
+    parser.add_argument("--runs", type=int, default=None, help="replays per workload (median)")
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--input", choices=("array", "list", "both"), default="both",
+                        help="token type given to the tree: array('q'), list, or each in turn")
+    args = parser.parse_args()
+    scale = 0.25 if args.quick else 1.0
+    runs = args.runs or (3 if args.quick else 5)
+    torch.set_num_threads(1)
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}; "
+          "time = CPU seconds inside tree calls / tree calls")
+    for as_array in (True, False):
+        if args.input in ("both", "array" if as_array else "list"):
+            run_all(as_array, scale, runs, args.page_size)
 
 
 if __name__ == "__main__":

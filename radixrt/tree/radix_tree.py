@@ -138,16 +138,18 @@ class RadixTree:
         if root is None:
             return path, 0, None
         node, offset, end, page_bytes = root, 0, len(query), self._page_bytes
+        append = path.append
         while offset < end:
             child = node.children.get(query[offset : offset + page_bytes])
             if child is None:
                 break
-            if query.startswith(child.key, offset):
-                path.append(child)
-                offset += len(child.key)
+            key = child.key
+            if query.startswith(key, offset):  # one memcmp, no copy
+                append(child)
+                offset += len(key)
                 node = child
                 continue
-            matched = common_prefix_pages(query, offset, child.key, page_bytes) * page_bytes
+            matched = common_prefix_pages(query, offset, key, page_bytes) * page_bytes
             return path, offset + matched, (child, matched)
         return path, offset, None
 
