@@ -18,7 +18,7 @@ import platform
 import statistics
 import subprocess
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -101,20 +101,28 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    print(f"CPU: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"transformers {transformers.__version__}")
+    print(
+        f"CPU: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__}"
+    )
     print("| dtype | measure | radixrt | transformers | radixrt speed-up |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         loaded = load_model(None, device="cpu", dtype=dtype)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=loaded.model.dtype).eval()
         ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs)
-        print(f"| {dtype} | prefill {args.prefill_len} tokens (tokens/s) | {args.prefill_len / ours:.0f} | "
-              f"{args.prefill_len / theirs:.0f} | {theirs / ours:.2f}x |", flush=True)
+        print(
+            f"| {dtype} | prefill {args.prefill_len} tokens (tokens/s) | {args.prefill_len / ours:.0f} | "
+            f"{args.prefill_len / theirs:.0f} | {theirs / ours:.2f}x |",
+            flush=True,
+        )
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             ours, theirs = bench_decode(loaded, hf_model, batch_size, args.context, args.runs)
-            print(f"| {dtype} | decode step, batch {batch_size}, {args.context}-token contexts (ms) | "
-                  f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |", flush=True)
+            print(
+                f"| {dtype} | decode step, batch {batch_size}, {args.context}-token contexts (ms) | "
+                f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ Fixtures (all CPU, fp32 unless said otherwise):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -124,7 +124,9 @@ def make_tiny_hf_model() -> Callable[..., transformers.PreTrainedModel]:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: transformers.PreTrainedTokenizerFast) -> Path:
+def tiny_llama_dir(
+    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: transformers.PreTrainedTokenizerFast
+) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     config = transformers.LlamaConfig(
         vocab_size=TINY_VOCAB,
@@ -172,7 +174,9 @@ def smollm2_hf(smollm2: LoadedModel) -> transformers.PreTrainedModel:
 
 @pytest.fixture
 def make_runner() -> Callable[..., tuple[ModelRunner, PagePool]]:
-    def make(model: LlamaForCausalLM, num_pages: int, page_size: int = 1, backend: str = "torch") -> tuple[ModelRunner, PagePool]:
+    def make(
+        model: LlamaForCausalLM, num_pages: int, page_size: int = 1, backend: str = "torch"
+    ) -> tuple[ModelRunner, PagePool]:
         config = model.config
         kv_cache = KVCache(config.kv_shape(model.dtype), num_pages * page_size, model.device)
         attention = create_backend(backend, kv_cache, config.num_heads, config.num_kv_heads, config.head_dim, page_size)
@@ -181,14 +185,18 @@ def make_runner() -> Callable[..., tuple[ModelRunner, PagePool]]:
     return make
 
 
-def _paged_greedy(runner: ModelRunner, pool: PagePool, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def _paged_greedy(
+    runner: ModelRunner, pool: PagePool, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
     """Greedy tokens, all prompts batched: one prefill batch, then one decode batch per step.
 
     Each sequence's slots come from `pool` a page at a time as it grows, so
     slots interleave across sequences the way a real scheduler leaves them.
     """
     slots = [pool.alloc(len(p)) for p in prompts]
-    logits = runner.forward(ForwardBatch.build(prompts, [0] * len(prompts), [s[: len(p)] for s, p in zip(slots, prompts)]))
+    logits = runner.forward(
+        ForwardBatch.build(prompts, [0] * len(prompts), [s[: len(p)] for s, p in zip(slots, prompts)])
+    )
     outputs = [[int(t)] for t in logits.argmax(-1)]
     for _ in range(max_new_tokens - 1):
         seq_lens = [len(p) + len(o) for p, o in zip(prompts, outputs)]
@@ -225,7 +233,9 @@ def _hf_greedy(
     return _hf_greedy_padded(model, prompts, max_new_tokens)
 
 
-def _hf_greedy_padded(model: transformers.PreTrainedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def _hf_greedy_padded(
+    model: transformers.PreTrainedModel, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

@@ -13,7 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from radixrt.model import gguf_cache
-from radixrt.model.loader import BUNDLED_MODEL_NAME, load_model, resolve_dtype
+from radixrt.model.loader import (
+    BUNDLED_MODEL_NAME,
+    default_cpu_dtype,
+    load_model,
+    resolve_dtype,
+)
 
 
 def write_gguf(path: Path, architecture: str = "llama", tokenizer: bool = True) -> Path:
@@ -77,7 +82,7 @@ def test_folder_without_weights_or_unsupported_architecture(tmp_path, tiny_llama
 def test_dtypes_and_devices(tiny_llama_dir):
     cpu = torch.device("cpu")
     assert resolve_dtype("fp32", cpu) == torch.float32 and resolve_dtype(torch.bfloat16, cpu) == torch.bfloat16
-    assert resolve_dtype(None, cpu) == resolve_dtype("auto", cpu) == torch.bfloat16
+    assert resolve_dtype(None, cpu) == resolve_dtype("auto", cpu) == default_cpu_dtype()
     with pytest.raises(ValueError, match="float16 is not supported on cpu; supported: float32, bfloat16"):
         resolve_dtype("fp16", cpu)
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, fp32, bfloat16"):

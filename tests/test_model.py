@@ -148,7 +148,9 @@ def test_greedy_smollm2_matches_transformers(smollm2, smollm2_hf, make_runner, p
         for q in questions
     ]
     plain = [tokenizer("Once upon a time, " * n)["input_ids"] for n in (1, 2, 3, 5)]
-    plain += [tokenizer(text)["input_ids"] for text in ("def fibonacci(n):", "The table below lists", "1, 2, 3,", "Paris is")]
+    plain += [
+        tokenizer(text)["input_ids"] for text in ("def fibonacci(n):", "The table below lists", "1, 2, 3,", "Paris is")
+    ]
     prompts = [list(p) for p in chats + plain]
     runner, pool = make_runner(smollm2.model, num_pages=160, page_size=16)
     # transformers runs the 16 prompts as one left-padded batch: one prompt at a time

@@ -39,7 +39,10 @@ def make_case(specs, page_size, num_q_heads, num_kv_heads, head_dim, dtype=torch
         cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=generator))
     batch = ForwardBatch.build([[0] * e for _, e in specs], [p for p, _ in specs], kv_slots)
     num_tokens = batch.num_tokens
-    q, k, v = (torch.randn(num_tokens, h, head_dim, generator=generator).to(dtype) for h in (num_q_heads, num_kv_heads, num_kv_heads))
+    q, k, v = (
+        torch.randn(num_tokens, h, head_dim, generator=generator).to(dtype)
+        for h in (num_q_heads, num_kv_heads, num_kv_heads)
+    )
     return cache, batch, q, k, v
 
 

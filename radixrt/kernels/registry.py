@@ -42,8 +42,7 @@ def create_backend(
     else:
         if _BACKENDS[name][2] is not None and not on_cuda:
             raise ValueError(
-                f"attention_backend {name!r} needs a CUDA KV cache, got device {kv_cache.device}; "
-                "use 'torch' or 'auto'"
+                f"attention_backend {name!r} needs a CUDA KV cache, got device {kv_cache.device}; use 'torch' or 'auto'"
             )
         backend_class = _load(name)
     return backend_class(kv_cache, num_q_heads, num_kv_heads, head_dim, page_size)

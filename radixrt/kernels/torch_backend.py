@@ -58,7 +58,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, kv_cache: KVCache, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 1):
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-            raise ValueError(f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+            raise ValueError(
+                f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
+            )
         if (num_kv_heads, head_dim) != (kv_cache.shape.num_kv_heads, kv_cache.shape.head_dim):
             raise ValueError(
                 f"num_kv_heads/head_dim ({num_kv_heads}, {head_dim}) must match the KV cache "
@@ -182,7 +184,9 @@ def _extend_group(members: list[_Seq], batch: ForwardBatch, device: torch.device
         if prefix == 0:
             mask = None
         else:
-            allowed = torch.arange(kv_len, device=device)[None, :] <= torch.arange(extend, device=device)[:, None] + prefix
+            allowed = (
+                torch.arange(kv_len, device=device)[None, :] <= torch.arange(extend, device=device)[:, None] + prefix
+            )
             mask = _additive(allowed, dtype)
         return _Group(1, q_len, kv_len, _padded_slots(members, kv_len, batch, device), mask, rows, None, rows)
     prefix_lens = torch.tensor([s[1] for s in members], device=device)

