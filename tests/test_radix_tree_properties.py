@@ -16,6 +16,8 @@ slot is either free in the PagePool or held by the tree, never both.
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -26,6 +28,7 @@ from radixrt.memory.page_pool import PagePool
 from radixrt.tree import RadixTree, TreeNode
 
 NAMESPACES = st.sampled_from([None, "tenant"])
+TOKEN_TYPES = st.sampled_from([list, lambda tokens: array("q", tokens), torch.tensor])
 
 
 class RefPage:
@@ -175,6 +178,11 @@ class TreeMachine(RuleBasedStateMachine):
     def tokens(self):
         return st.lists(st.integers(0, self.vocabulary - 1), max_size=self.max_length)
 
+    def as_given(self, data, tokens: list[int]):
+        """`tokens` as one of the types the tree accepts (they must all behave alike)."""
+        convert = data.draw(TOKEN_TYPES)
+        return convert(tokens) if tokens or convert is not torch.tensor else torch.empty(0, dtype=torch.int64)
+
     def _evict(self, num_tokens: int) -> None:
         freed = self.tree.evict(num_tokens)
         assert freed.tolist() == self.reference.evict(num_tokens)
@@ -188,9 +196,9 @@ class TreeMachine(RuleBasedStateMachine):
             return None
         return self.pool.alloc(num_tokens)
 
-    def _insert(self, namespace, tokens, prefix: torch.Tensor, new: torch.Tensor) -> None:
+    def _insert(self, namespace, tokens, given, prefix: torch.Tensor, new: torch.Tensor) -> None:
         indices = torch.cat((prefix, new))[: len(tokens)]
-        cached = self.tree.insert(tokens, indices, namespace)
+        cached = self.tree.insert(given, indices, namespace)
         assert cached == self.reference.insert(namespace, tokens, indices.tolist())
         whole = len(tokens) - len(tokens) % self.page_size
         self.pool.free(new[: max(0, cached - len(prefix))])  # the tree had these
@@ -201,33 +209,45 @@ class TreeMachine(RuleBasedStateMachine):
         tokens = data.draw(self.tokens())
         new = self._slots_for(len(tokens))
         if new is not None:
-            self._insert(namespace, tokens, new[:0], new)
+            self._insert(namespace, tokens, self.as_given(data, tokens), new[:0], new)
 
     @rule(namespace=NAMESPACES, data=st.data())
     def request(self, namespace, data):
         """What the engine does: match, lock, allocate the rest, insert, unlock."""
         tokens = data.draw(self.tokens())
-        match = self.tree.match_prefix(tokens, namespace)
+        given = self.as_given(data, tokens)
+        match = self.tree.match_prefix(given, namespace)
         length, _, ref_node = self.reference.match(namespace, tokens)
         assert match.length == length
         self.tree.lock(match.last_node)
         self._lock_reference(ref_node, +1)
         new = self._slots_for(len(tokens) - match.length)
         if new is not None:
-            self._insert(namespace, tokens, match.indices, new)
+            self._insert(namespace, tokens, given, match.indices, new)
         self.tree.unlock(match.last_node)
         self._lock_reference(ref_node, -1)
 
     @rule(target=handles, namespace=NAMESPACES, data=st.data())
     def match(self, namespace, data):
         tokens = data.draw(self.tokens())
-        match = self.tree.match_prefix(tokens, namespace)
+        match = self.tree.match_prefix(self.as_given(data, tokens), namespace)
         length, slots, ref_node = self.reference.match(namespace, tokens)
         assert match.length == length and match.length % self.page_size == 0
         assert match.indices.tolist() == slots
         expected_root = ref_node.parent is None
         assert (match.last_node.parent is None) == expected_root
         return match.last_node, ref_node
+
+    @rule(namespace=NAMESPACES, data=st.data(), insert=st.booleans())
+    def bad_tokens(self, namespace, data, insert):
+        """A negative token anywhere: ValueError, and the invariant sees no change."""
+        tokens = data.draw(self.tokens()) + [-1] + data.draw(self.tokens())
+        given = self.as_given(data, tokens)
+        with pytest.raises(ValueError):
+            if insert:
+                self.tree.insert(given, torch.arange(len(tokens)), namespace)
+            else:
+                self.tree.match_prefix(given, namespace)
 
     @rule(handle=handles)
     def lock(self, handle: tuple[TreeNode, RefPage]):
@@ -291,18 +311,18 @@ class PagedTreeMachine(TreeMachine):
     max_length = 13
 
 
-SETTINGS = dict(
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = {
+    "deadline": None,
+    "derandomize": True,
+    "database": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much],
+}
 
 TestRadixTreeAgainstReference = TreeMachine.TestCase
 TestRadixTreeAgainstReference.settings = settings(
-    max_examples=120, stateful_step_count=60, **SETTINGS
+    max_examples=200, stateful_step_count=60, **SETTINGS
 )
 TestPagedRadixTreeAgainstReference = PagedTreeMachine.TestCase
 TestPagedRadixTreeAgainstReference.settings = settings(
-    max_examples=80, stateful_step_count=60, **SETTINGS
+    max_examples=150, stateful_step_count=60, **SETTINGS
 )

@@ -77,8 +77,10 @@ def _check_lock_counts(node: TreeNode) -> None:
 def pretty(tree: RadixTree) -> str:
     """One line per node, indented as a tree, children ordered by first token."""
     lines = [
-        f"RadixTree(page_size={tree.page_size}): {tree.total_tokens} tokens, "
-        f"{tree.evictable_tokens} evictable, {tree.protected_tokens} protected"
+        (
+            f"RadixTree(page_size={tree.page_size}): {tree.total_tokens} tokens, "
+            f"{tree.evictable_tokens} evictable, {tree.protected_tokens} protected"
+        )
     ]
     for namespace, root in tree._roots.items():
         lines.append(f"namespace {namespace!r}: root lock={root.lock_ref}")

@@ -12,17 +12,16 @@ from __future__ import annotations
 import ctypes
 import sys
 from array import array
-from typing import Union
 
 import torch
 
 TOKEN_BYTES = 8
 """Bytes per packed token (one native uint64)."""
 
-Tokens = Union[list, tuple, array, torch.Tensor]
+Tokens = list | tuple | array | torch.Tensor
 """What the tree accepts as a token sequence."""
 
-Int64Buffer = Union[array, torch.Tensor]
+Int64Buffer = array | torch.Tensor
 """Tokens as 8-byte integers that torch can read without a copy."""
 
 # Byte of a native uint64 that holds its top bit: tokens are in [0, 2**63)
