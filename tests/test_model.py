@@ -62,7 +62,9 @@ def ours_from(hf_model: transformers.PreTrainedModel) -> LlamaForCausalLM:
 def test_prefill_logits_match_transformers(variant, make_tiny_hf_model, make_runner):
     architecture, overrides = VARIANTS[variant]
     hf_model = make_tiny_hf_model(architecture, **overrides)
-    runner, pool = make_runner(ours_from(hf_model), num_pages=256)
+    model = ours_from(hf_model)
+    assert torch.equal(model.rope.inv_freq, hf_model.model.rotary_emb.inv_freq)  # rope scaling, bit for bit
+    runner, pool = make_runner(model, num_pages=256)
     ids = torch.randint(0, hf_model.config.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         reference = hf_model(ids[None]).logits[0]
