@@ -7,7 +7,8 @@ Two workloads, each run as `radixrt` programs:
   few-shot batch    64 capital-city questions behind one 5-shot prefix of 546
                     tokens, with run_batch (32 threads), greedy, <= 8 tokens
 
-Per configuration one Runtime (default dtype: bfloat16) is loaded and warmed
+Per configuration one Runtime (default dtype: bfloat16 on a CPU with native
+bf16, else float32; the table's header says which) is loaded and warmed
 up; every run starts from an empty cache (flush_cache), and the figures are
 the median of the runs: wall time, and the cached-token ratio (prompt tokens
 found in the radix tree / all prompt tokens). Wall time on a shared machine
@@ -128,6 +129,7 @@ def measure(rt: radixrt.Runtime, workload: Callable[[], None], runs: int) -> tup
         workload()
         seconds.append(time.perf_counter() - start)
         ratios.append(rt.cache_stats()["hit_rate"])
+        print(f"    run: {seconds[-1]:.2f} s, cached-token ratio {ratios[-1]:.1%}", file=sys.stderr)
     return statistics.median(seconds), statistics.median(ratios)
 
 
@@ -146,13 +148,14 @@ def main() -> None:
     for cache in (True, False):
         rt = radixrt.Runtime(disable_radix_cache=not cache)
         prefix_tokens = len(rt.tokenizer.encode(FEW_SHOT, add_special_tokens=False))
+        setup = f"{str(rt.engine.runner.model.dtype).removeprefix('torch.')}, {rt.engine.device}"
         capital.run(country="Chile", runtime=rt)  # warm-up
         for name, workload in workloads.items():
             results[name, cache] = measure(rt, lambda: workload(rt), args.runs)
             print(f"  {name}, cache {'on' if cache else 'off'}: {results[name, cache][0]:.2f} s", file=sys.stderr)
         rt.shutdown()
 
-    print(f"\nSmolLM2-135M-Instruct, bfloat16, CPU; few-shot prefix {prefix_tokens} tokens; median of {args.runs} runs\n")
+    print(f"\n{rt.model_name} ({setup}); few-shot prefix {prefix_tokens} tokens; median of {args.runs} runs\n")
     print("| workload | cache | wall time (s) | cached-token ratio | speedup |")
     print("|---|---|---|---|---|")
     for name in workloads:

@@ -298,6 +298,44 @@ def test_streamed_run_yields_the_text_as_it_is_generated(rt):
     assert "".join(state.text_iter()) == state.text() == PREFIX + state["a"] + " End."
 
 
+class _GatedRuntime:
+    """Holds a streamed gen after its first text until `release` is set: proves chunks arrive early."""
+
+    def __init__(self, rt):
+        self.tokenizer, self.config = rt.tokenizer, rt.config
+        self._rt = rt
+        self.release = threading.Event()
+
+    def generate(self, *args, **kwargs):
+        chunks = self._rt.generate(*args, **kwargs)
+        if not kwargs.get("stream"):
+            return chunks
+
+        def gated():
+            shown = False
+            for chunk in chunks:
+                if shown and not self.release.wait(timeout=20):
+                    raise TimeoutError("the reader never saw the first chunk")
+                shown = shown or bool(chunk["text"])
+                yield chunk
+
+        return gated()
+
+
+def test_text_iter_yields_a_chunk_before_the_gen_finishes(rt):
+    @function
+    def story(s):
+        s += PREFIX
+        s += gen("a", max_tokens=8, **GREEDY)
+
+    gated = _GatedRuntime(rt)
+    state = story.run(runtime=gated, stream=True)
+    chunks = state.text_iter("a")
+    first = next(chunks)  # arrives while the gen is held after its first chunk
+    gated.release.set()
+    assert first + "".join(chunks) == state["a"]
+
+
 def test_streamed_run_reports_an_error_at_the_end_of_the_stream(rt):
     @function
     def too_long(s):
