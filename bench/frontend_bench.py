@@ -140,8 +140,10 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=64, help="few-shot batch size")
     args = parser.parse_args()
 
-    workloads = {
-        f"self-consistency ({len(ARITHMETIC_QUESTIONS)} questions x k={args.k})": lambda rt: run_self_consistency(rt, args.k),
+    workloads: dict[str, Callable[[radixrt.Runtime], None]] = {
+        f"self-consistency ({len(ARITHMETIC_QUESTIONS)} questions x k={args.k})": lambda rt: run_self_consistency(
+            rt, args.k
+        ),
         f"few-shot batch ({args.items} items, 5-shot prefix)": lambda rt: run_few_shot(rt, args.items),
     }
     results: dict[tuple[str, bool], tuple[float, float]] = {}

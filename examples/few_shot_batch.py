@@ -93,7 +93,8 @@ def main() -> None:
     print(f"\naccuracy {correct}/{len(QUESTIONS)} = {correct / len(QUESTIONS):.0%}")
     print(f"{len(QUESTIONS)} programs in {elapsed:.1f} s: {len(QUESTIONS) / elapsed:.1f} programs/s, "
           f"{output_tokens / elapsed:.1f} output tokens/s")
-    print(f"cache hit rate {stats['hit_rate']:.0%} ({stats['cached_prompt_tokens']} of {stats['prompt_tokens']} prompt tokens)")
+    print(f"cache hit rate {stats['hit_rate']:.0%} "
+          f"({stats['cached_prompt_tokens']} of {stats['prompt_tokens']} prompt tokens)")
     rt.shutdown()
 
 

@@ -21,7 +21,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def rt(tiny_llama_dir):
-    with Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=8192, check_invariants=True) as runtime:
+    config = dict(device="cpu", dtype="float32", max_total_tokens=8192, check_invariants=True)
+    with Runtime(tiny_llama_dir, **config) as runtime:
         yield runtime
 
 

@@ -93,8 +93,9 @@ class ProgramContext:
 
     def token_ids(self) -> list[int]:
         """The ids the next model call would see, without committing the pending text."""
-        pending = self.runtime.tokenizer.encode(self.pending_text, add_special_tokens=False) if self.pending_text else []
-        return self.ids + list(pending)
+        if not self.pending_text:
+            return list(self.ids)
+        return self.ids + list(self.runtime.tokenizer.encode(self.pending_text, add_special_tokens=False))
 
     def fork(self) -> ProgramContext:
         """A copy for a branch; call prompt_ids() first so every branch shares the same ids."""

@@ -100,7 +100,9 @@ def select(name: str, choices: Sequence[str]) -> Select:
         raise ValueError(f"select({name!r}): choices must not be empty")
     for index, choice in enumerate(choices):
         if not isinstance(choice, str):
-            raise TypeError(f"select({name!r}): choice {index} must be a string, got {type(choice).__name__} {choice!r}")
+            raise TypeError(
+                f"select({name!r}): choice {index} must be a string, got {type(choice).__name__} {choice!r}"
+            )
         if not choice:
             raise ValueError(f"select({name!r}): choice {index} is empty; an empty choice has no tokens to score")
     return Select(name, tuple(choices))

@@ -57,7 +57,8 @@ class Program:
         The program's errors raise here. With `stream=True` the program's own
         state runs on a worker thread as well: `run` returns once the body has
         queued its operations, and `state.text_iter()` yields the text as it
-        is generated; errors then surface when reading the state.
+        is generated; an operation's error then surfaces when reading the state
+        (the body's own exceptions still raise here).
         """
         self._bind(args, kwargs)
         rt = _resolve_runtime(runtime)
