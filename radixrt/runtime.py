@@ -8,10 +8,12 @@ so bad input raises there and never reaches the engine.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import random
 import threading
+import weakref
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 from radixrt.config import RuntimeConfig
@@ -43,6 +45,7 @@ class Runtime:
         self._engine_error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="radixrt-engine", daemon=True)
         self._thread.start()
+        _live_runtimes.add(self)
 
     # --- generation --------------------------------------------------------------
     def generate(
@@ -199,7 +202,7 @@ class Runtime:
         while len(results) < len(requests):
             item = outputs.get()
             if isinstance(item, BaseException):
-                raise RuntimeError("the engine failed while running this request") from item
+                raise RuntimeError(f"the request did not complete: {item}") from item
             if item.finished:
                 results[item.rid] = item.result
         return [results[r.rid] for r in requests]
@@ -211,7 +214,7 @@ class Runtime:
             while remaining:
                 item = outputs.get()
                 if isinstance(item, BaseException):
-                    raise RuntimeError("the engine failed while running this request") from item
+                    raise RuntimeError(f"the request did not complete: {item}") from item
                 chunk = {"index": index_of[item.rid], "text": item.text_delta,
                          "output_ids": item.token_ids_delta, "finished": item.finished}
                 if item.finished:
@@ -224,26 +227,39 @@ class Runtime:
                     self.abort(req.rid)
 
     def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._actions and not self.engine.has_work and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                actions, self._actions = self._actions, []
-                try:
+        failure: BaseException | None = None
+        try:
+            while True:
+                with self._cv:
+                    while not self._actions and not self.engine.has_work and not self._closed:
+                        self._cv.wait()
+                    if self._closed:
+                        break
+                    actions, self._actions = self._actions, []
                     for action, payload in actions:
                         self._apply(action, payload)
                     if self.engine.has_work:
                         self.engine.step()
-                except Exception as error:  # an engine bug: fail every request, keep the process alive
-                    logger.exception("engine step failed")
-                    self._engine_error = error
-                    for req in list(self.engine.requests.values()):
-                        if req.on_output is not None:
-                            req.on_output(error)  # type: ignore[arg-type]
-                    self._closed = True
-                    return
+        except Exception as error:  # an engine bug: fail every request, keep the process alive
+            logger.exception("engine step failed")
+            failure = self._engine_error = error
+        finally:
+            self._fail_outstanding(failure or RuntimeError("the runtime was shut down"))
+
+    def _fail_outstanding(self, reason: BaseException) -> None:
+        """Nobody waits forever: every request still running or queued gets `reason`."""
+        with self._cv:
+            self._closed = True
+            actions, self._actions = self._actions, []
+        waiting = list(self.engine.requests.values())
+        for action, payload in actions:
+            if action == "add":
+                waiting.extend(payload)
+            elif action == "flush":
+                payload.put(reason)
+        for req in waiting:
+            if req.on_output is not None:
+                req.on_output(reason)  # type: ignore[arg-type]
 
     def _apply(self, action: str, payload: Any) -> None:
         if action == "add":
@@ -257,6 +273,17 @@ class Runtime:
                 payload.put(None)
             except Exception as error:
                 payload.put(error)
+
+
+# The engine thread is a daemon so a forgotten Runtime never blocks exit, but
+# a daemon killed inside a torch op aborts the interpreter: stop them first.
+_live_runtimes: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_runtimes() -> None:
+    for runtime in list(_live_runtimes):
+        runtime.shutdown()
 
 
 def _check_ids(ids: Any) -> list[int]:

@@ -194,3 +194,24 @@ def test_flush_cache_empties_the_tree(rt):
 def test_sampling_params_object_is_accepted(rt):
     out = rt.generate(ids(9), SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
     assert out["meta_info"]["completion_tokens"] == 3
+
+
+def test_exiting_while_a_request_runs_is_clean(tiny_llama_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_mid_request.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "import radixrt\n"
+        "rt = radixrt.Runtime(sys.argv[1], dtype='float32', max_total_tokens=2048)\n"
+        "def run():\n"
+        "    try:\n"
+        "        rt.generate([5] * 20, {'max_new_tokens': 900, 'ignore_eos': True})\n"
+        "    except RuntimeError as error:\n"
+        "        print('caller saw:', error)\n"
+        "threading.Thread(target=run, daemon=True).start()\n"
+        "time.sleep(0.5)\n"
+    )
+    done = subprocess.run([sys.executable, str(script), str(tiny_llama_dir)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
