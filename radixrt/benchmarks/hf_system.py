@@ -40,6 +40,7 @@ class _StepClock:
 class TransformersSystem:
     name = "transformers"
     concurrent = False
+    runtime = None
 
     def __init__(self, folder: Path, device: str, dtype: str):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -81,12 +82,16 @@ class TransformersSystem:
         first_token_s = (clock.times[1] if len(clock.times) > 1 else ended) - started
         rows = out[:, width:].tolist()
         return [
-            [Completion(tuple(rows[i * n + j]), len(prompt), 0, first_token_s, ended - started) for j in range(n)]
+            [Completion(len(rows[i * n + j]), len(prompt), 0, first_token_s, ended - started, tuple(rows[i * n + j]))
+             for j in range(n)]
             for i, prompt in enumerate(prompts)
         ]
 
     def reset(self) -> None:
         """Nothing to forget: generate keeps no state between calls."""
+
+    def cache_counts(self) -> None:
+        return None
 
     def close(self) -> None:
         del self.model

@@ -43,16 +43,18 @@ class RepMetrics:
     output_tokens: int
     ttft_s: tuple[float, ...]  # per request, in request order
     e2e_s: tuple[float, ...]
+    load_1m: float  # the machine's 1-minute load average when the repetition started
 
     @classmethod
-    def from_run(cls, run: Run) -> "RepMetrics":
+    def from_run(cls, run: Run, load_1m: float) -> "RepMetrics":
         done = run.completions
         return cls(
+            load_1m=load_1m,
             wall_s=run.wall_s,
             num_requests=len(done),
-            prompt_tokens=sum(c.prompt_tokens for c in done),
-            cached_tokens=sum(c.cached_tokens for c in done),
-            output_tokens=sum(len(c.output_ids) for c in done),
+            prompt_tokens=run.prompt_tokens,
+            cached_tokens=run.cached_tokens,
+            output_tokens=sum(c.num_output_tokens for c in done),
             ttft_s=tuple(c.ttft_s for c in done),
             e2e_s=tuple(c.e2e_s for c in done),
         )
@@ -88,4 +90,4 @@ def summarize(reps: Sequence[RepMetrics], sequential: bool) -> dict[str, Any]:
 
 
 def _raw(rep: RepMetrics) -> dict[str, Any]:
-    return {"ttft_s": list(rep.ttft_s), "e2e_s": list(rep.e2e_s)}
+    return {"load_1m": rep.load_1m, "ttft_s": list(rep.ttft_s), "e2e_s": list(rep.e2e_s)}

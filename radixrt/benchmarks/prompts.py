@@ -9,7 +9,7 @@ tokenizer), with the exact count measured afterwards.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from typing import Callable
 
 _PEOPLE = [
     "Ada Moreno", "Bruno Keller", "Chiara Russo", "Dmitri Volkov", "Elena Sato", "Farid Haddad",
@@ -61,14 +61,16 @@ def few_shot_example(rng: random.Random, num_sentences: int) -> str:
 
 
 def few_shot_prefix(rng: random.Random, count_tokens: Callable[[str], int], target_tokens: int, num_shots: int = 5) -> str:
-    """An instruction and `num_shots` examples, each grown by one sentence per round until the target."""
+    """An instruction and `num_shots` examples, grown one sentence (in one example) at a time to the target."""
     head = "Answer each question using only the passage above it. Give the name and the year.\n\n"
     state = rng.getstate()
-    for num_sentences in range(1, 200):
-        rng.setstate(state)  # every round redraws the same examples, one sentence longer
-        text = head + "".join(few_shot_example(rng, num_sentences) for _ in range(num_shots))
+    sentences = [1] * num_shots
+    for step in range(200 * num_shots):
+        rng.setstate(state)  # every round redraws the same examples, one of them a sentence longer
+        text = head + "".join(few_shot_example(rng, n) for n in sentences)
         if count_tokens(text) >= target_tokens:
             return text
+        sentences[step % num_shots] += 1
     raise ValueError(f"could not grow a few-shot prefix to {target_tokens} tokens")
 
 
@@ -142,8 +144,3 @@ def user_message(rng: random.Random, turn: int) -> str:
     ]
     return rng.choice(templates[turn % len(templates)])
 
-
-def describe(value: Any) -> str:
-    """A short, stable description of a text for the JSON report: its first words."""
-    words = str(value).split()
-    return " ".join(words[:12]) + (" ..." if len(words) > 12 else "")

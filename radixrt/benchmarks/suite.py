@@ -4,9 +4,11 @@
                                  [--reps 3] [--out bench/results] [--model PATH] [--device cpu] [--dtype auto]
     radixrt bench ...             (the same options)
 
-Systems run one after the other in one process (system-major), each loaded
-once, warmed up once (untimed), then every workload `reps` times. Only one
-system holds memory at a time, so a GPU's KV pool can take its usual share.
+Every system is loaded once and warmed up once (untimed); then each workload
+runs `reps` times on it. On a CPU (`--order auto`) all systems stay loaded
+and take turns within each repetition, so a change in a shared machine's load
+falls on all of them alike; on a GPU they run one after the other (one
+system holds memory at a time, so a KV pool can take its usual share).
 Before each repetition the system's cache is flushed: repetitions start cold,
 except that a `warm_prefix` workload then gets its shared prefix cached,
 untimed.
@@ -46,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma-separated, of {','.join(SYSTEM_NAMES)}")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per workload and system (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny workloads: a smoke run (CI), not a measurement")
+    p.add_argument("--order", choices=("auto", "interleaved", "system"), default="auto",
+                   help="interleaved: all systems loaded, taking turns each repetition (fair under a changing "
+                        "load); system: one system at a time (frees memory); auto: interleaved on cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload generators and of sampling")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for results.json, results.md, *.png")
     return p
@@ -73,33 +78,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": {w.name: {} for w in workloads},
     }
     started = time.perf_counter()
-    for name in system_names:
-        _log(f"{name}: loading")
-        system = make_system(name, args.model, args.device, args.dtype, args.attention_backend, args.page_size)
+    interleaved = args.order == "interleaved" or (args.order == "auto" and report["machine"]["device"] == "cpu")
+    report["suite"]["order"] = "interleaved" if interleaved else "system"
+    for group in [system_names] if interleaved else [(name,) for name in system_names]:
+        systems: list[System] = []
         try:
-            _warm_up(system, workloads)
+            for name in group:
+                _log(f"{name}: loading")
+                systems.append(make_system(name, args.model, args.device, args.dtype, args.attention_backend,
+                                           args.page_size))
+                _warm_up(systems[-1], workloads)
             for workload in workloads:
-                report["results"][workload.name][name] = _measure(system, workload, tokenizer, reps)
+                for system, summary in _measure(systems, workload, tokenizer, reps).items():
+                    report["results"][workload.name][system] = summary
+                _finish(report, args.out, started, plots=False)  # a crash later keeps what is done
         finally:
-            system.close()
-            del system
+            for system in systems:
+                system.close()
+            systems.clear()
             gc.collect()
-        _finish(report, args.out, started, plots=False)  # a crash later keeps what is done
     paths = _finish(report, args.out, started, plots=True)
     print(reporting.markdown(report))
     _log("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 
-def _measure(system: System, workload: Workload, tokenizer: Any, reps: int) -> dict[str, Any]:
-    metrics = []
+def _measure(systems: list[System], workload: Workload, tokenizer: Any, reps: int) -> dict[str, dict[str, Any]]:
+    """`reps` repetitions of the workload on each system, the systems taking turns within a
+    repetition, so a change in the machine's load falls on all of them alike."""
+    metrics: dict[str, list[RepMetrics]] = {system.name: [] for system in systems}
     for rep in range(reps):
-        system.reset()
-        prime(workload, system)
-        run = run_workload(workload, system, tokenizer)
-        metrics.append(RepMetrics.from_run(run))
-        _log(f"  {system.name} {workload.name} rep {rep + 1}/{reps}: {run.wall_s:.2f} s")
-    return summarize(metrics, sequential=workload.kind == "sequential")
+        for system in systems:
+            system.reset()
+            prime(workload, system)
+            load = os.getloadavg()[0]
+            run = run_workload(workload, system, tokenizer)
+            metrics[system.name].append(RepMetrics.from_run(run, load))
+            _log(f"  {workload.name} rep {rep + 1}/{reps} {system.name}: {run.wall_s:.2f} s (load {load:.2f})")
+    return {name: summarize(reps_of, sequential=workload.kind == "sequential") for name, reps_of in metrics.items()}
 
 
 def _warm_up(system: System, workloads: list[Workload]) -> None:

@@ -18,13 +18,18 @@ SYSTEM_NAMES = ("radixrt", "radixrt-no-cache", "transformers")
 
 @dataclass(frozen=True)
 class Completion:
-    """One generated sequence and its timings (seconds from its submission)."""
+    """One generated sequence and its timings (seconds from its submission).
 
-    output_ids: tuple[int, ...]
+    `output_ids` is empty when a radixrt.lang program generated it: the
+    program keeps its own token history, and only the count is needed.
+    """
+
+    num_output_tokens: int
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float
     e2e_s: float
+    output_ids: tuple[int, ...] = ()
 
 
 class System(Protocol):
@@ -32,10 +37,13 @@ class System(Protocol):
 
     `concurrent`: `generate` may be called from several threads at once and
     batches what they submit (radixrt); otherwise drivers batch for it.
+    `runtime`: the radixrt.Runtime behind the system, or None; fork and tree
+    workloads run as radixrt.lang programs on it.
     """
 
     name: str
     concurrent: bool
+    runtime: Any
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, n: int = 1) -> list[list[Completion]]:
         """For each prompt, its n completions (n > 1: sampled, sharing the prompt)."""
@@ -43,6 +51,11 @@ class System(Protocol):
 
     def reset(self) -> None:
         """Forget every cached prefix, so the next repetition starts cold."""
+        ...
+
+    def cache_counts(self) -> tuple[int, int] | None:
+        """(prompt tokens, of those found cached) since the last reset, as the system itself
+        counts them (requests a program makes on its own included); None: count the completions."""
         ...
 
     def close(self) -> None:
@@ -72,15 +85,24 @@ class RadixSystem:
     def reset(self) -> None:
         self.runtime.flush_cache()
 
+    def cache_counts(self) -> tuple[int, int]:
+        stats = self.runtime.cache_stats()
+        return int(stats["prompt_tokens"]), int(stats["cached_prompt_tokens"])
+
     def close(self) -> None:
         self.runtime.shutdown()
 
 
 def completion_of(output: dict[str, Any]) -> Completion:
-    """A Completion from a radixrt result dict (Runtime.generate or a lang program's meta_info)."""
+    """A Completion from a radixrt.Runtime.generate result dict."""
     meta = output["meta_info"]
-    return Completion(tuple(output["output_ids"]), meta["prompt_tokens"], meta["cached_tokens"],
-                      meta["ttft"], meta["e2e_latency"])
+    return completion_of_meta(meta, tuple(output["output_ids"]))
+
+
+def completion_of_meta(meta: dict[str, Any], output_ids: tuple[int, ...] = ()) -> Completion:
+    """A Completion from a radixrt meta_info (a result's, or a lang gen's `get_meta_info`)."""
+    return Completion(meta["completion_tokens"], meta["prompt_tokens"], meta["cached_tokens"],
+                      meta["ttft"], meta["e2e_latency"], output_ids)
 
 
 def resolved_device(device: str) -> str:

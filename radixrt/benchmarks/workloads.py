@@ -80,7 +80,10 @@ class Workload:
     fork        `prompts[0]` once with `num_samples` sampled continuations
     chat        `conversations` concurrently; turn t renders system + turns so far with the chat template
     tree        `prompts[0]` branching `branching` ways to `depth`; a child's prompt is its
-                parent's prompt + the parent's generated tokens + `step_marker(level)`
+                parent's prompt + the parent's generated tokens + the tokens of `step_markers[level]`
+    prompt_text: fork and tree: the text whose tokens are `prompts[0]`, for systems that run
+                them as radixrt.lang programs (a program tokenizes each text piece alone, as
+                `build_workloads` does, so both ways give the same token ids)
     warm_prefix: before each repetition the cache holds the shared prefix (else it starts empty).
     """
 
@@ -94,7 +97,8 @@ class Workload:
     conversations: tuple[tuple[str, ...], ...] = ()
     branching: int = 0
     depth: int = 0
-    step_markers: tuple[tuple[int, ...], ...] = ()
+    step_markers: tuple[str, ...] = ()
+    prompt_text: str = ""
     warm_prefix: bool = False
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -168,8 +172,8 @@ def _table(encode: Callable[[str], tuple[int, ...]], scale: Scale) -> Workload:
     texts = [_table_question(name, column, scale.table_rows) for name, column in questions]
     return Workload(
         name="table", kind="sequential", sampling=Sampling(scale.table_new_tokens),
-        description=(f"radixrt.demo's {scale.table_rows}-row table, then {len(texts)} questions about its rows "
-                     "(John Doe and Zack Blue first), one at a time; greedy"),
+        description=(f"radixrt.demo's {scale.table_rows}-row table and {len(texts)} questions about its rows "
+                     "(John Doe's and Zack Blue's ages first), one at a time; greedy"),
         prompts=tuple(encode(t) for t in texts),
     )
 
@@ -207,7 +211,7 @@ def _self_consistency(encode: Callable[[str], tuple[int, ...]], count: Callable[
     return Workload(
         name="self-consistency", kind="fork", sampling=Sampling(scale.sample_new_tokens, 0.7, seed),
         description=f"one long question, {scale.num_samples} sampled reasoning paths (fork), temperature 0.7",
-        prompts=(encode(question),), num_samples=scale.num_samples,
+        prompts=(encode(question),), num_samples=scale.num_samples, prompt_text=question,
     )
 
 
@@ -243,7 +247,7 @@ def chat_prompt(tokenizer: Any, system: str, turns: list[tuple[str, str | None]]
 
 def _tree(encode: Callable[[str], tuple[int, ...]], count: Callable[[str], int], scale: Scale, seed: int) -> Workload:
     root = prompts.tree_root(random.Random(seed * 1000 + 5), count, scale.tree_root_tokens)
-    markers = tuple(encode(f"\nStep {level + 2}:") for level in range(scale.tree_depth))
+    markers = tuple(f"\nStep {level + 2}:" for level in range(scale.tree_depth))
     num_nodes = sum(scale.tree_branching ** d for d in range(1, scale.tree_depth + 1))
     return Workload(
         name="tree-of-thought", kind="tree", sampling=Sampling(scale.tree_new_tokens, 0.7, seed),
@@ -251,5 +255,6 @@ def _tree(encode: Callable[[str], tuple[int, ...]], count: Callable[[str], int],
                      f"({num_nodes} generations of {scale.tree_new_tokens} tokens), each branch extending "
                      "its parent's history; temperature 0.7"),
         prompts=(encode(root),), branching=scale.tree_branching, depth=scale.tree_depth, step_markers=markers,
+        prompt_text=root,
     )
 
