@@ -21,13 +21,14 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
         return []
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     results = report["results"]
     host = report["machine"]
     subtitle = f"{host['model']}, {host['gpu'] or host['cpu']}, {host['dtype']}"
     paths = [out / "throughput.png", out / "ttft.png"]
     _throughput(plt, results, subtitle, paths[0])
-    _ttft(plt, results, subtitle, paths[1])
+    _ttft(plt, ticker, results, subtitle, paths[1])
     return paths
 
 
@@ -54,7 +55,7 @@ def _throughput(plt: Any, results: dict[str, Any], subtitle: str, path: Path) ->
     plt.close(fig)
 
 
-def _ttft(plt: Any, results: dict[str, Any], subtitle: str, path: Path) -> None:
+def _ttft(plt: Any, ticker: Any, results: dict[str, Any], subtitle: str, path: Path) -> None:
     """One panel per workload: every request's TTFT (all repetitions), one box per system, log scale."""
     workloads, systems = list(results), _systems(results)
     columns = min(3, len(workloads))
@@ -68,6 +69,11 @@ def _ttft(plt: Any, results: dict[str, Any], subtitle: str, path: Path) -> None:
             patch.set_facecolor(_COLORS.get(system, "#cccccc"))
         ax.set_xticks(range(1, len(present) + 1), present, fontsize=7, rotation=10)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        low, high = ax.get_ylim()
+        narrow = high < 12 * low  # about one decade: label the minor ticks too, else none would show
+        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g") if narrow else ticker.NullFormatter())
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_title(workload, fontsize=9)
         ax.set_ylabel("TTFT s")
     for ax in list(axes.flat)[len(workloads):]:
