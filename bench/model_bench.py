@@ -6,7 +6,8 @@ Measures, for the bundled SmolLM2-135M-Instruct on this machine, per dtype:
   decode    one step for --batch-sizes sequences of --context tokens each: ms/step
             (transformers: one step with its DynamicCache, cropped back after each run;
             radixrt: one decode batch over the paged pool, torch attention backend)
-Medians of --runs timed runs after one warm-up. Not a test: nothing is asserted.
+Medians of --runs timed runs after one warm-up, radixrt and transformers alternating.
+Not a test: nothing is asserted.
 
     python bench/model_bench.py [--dtypes fp32,bf16] [--prefill-len 512] [--context 256]
 """
@@ -30,16 +31,24 @@ from radixrt.model.loader import LoadedModel, load_model
 from radixrt.model.runner import ModelRunner
 
 
-def median_seconds(step: Callable[[], object], runs: int, reset: Callable[[], None] | None = None) -> float:
-    times = []
+def paired_medians(
+    ours: Callable[[], object],
+    theirs: Callable[[], object],
+    runs: int,
+    reset_theirs: Callable[[], None] | None = None,
+) -> tuple[float, float]:
+    """Median seconds of each step, timed alternately (ours, theirs, ours, ...) after one
+    warm-up each, so a burst of load from elsewhere hits both sides alike."""
+    times: tuple[list[float], list[float]] = ([], [])
     for i in range(runs + 1):
-        if reset is not None:
-            reset()
-        start = time.perf_counter()
-        step()
-        if i:  # the first run is a warm-up
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for side, step in enumerate((ours, theirs)):
+            if side == 1 and reset_theirs is not None:
+                reset_theirs()
+            start = time.perf_counter()
+            step()
+            if i:
+                times[side].append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def make_runner(loaded: LoadedModel, num_slots: int) -> ModelRunner:
@@ -53,10 +62,8 @@ def bench_prefill(loaded: LoadedModel, hf_model: torch.nn.Module, length: int, r
     ids = torch.randint(0, loaded.config.vocab_size, (length,), generator=torch.Generator().manual_seed(0))
     runner = make_runner(loaded, length)
     batch = ForwardBatch.build([ids.tolist()], [0], [torch.arange(length)])
-    ours = median_seconds(lambda: runner.forward(batch), runs)
     with torch.inference_mode():
-        theirs = median_seconds(lambda: hf_model(ids[None], logits_to_keep=1), runs)
-    return ours, theirs
+        return paired_medians(lambda: runner.forward(batch), lambda: hf_model(ids[None], logits_to_keep=1), runs)
 
 
 def bench_decode(
@@ -68,7 +75,6 @@ def bench_decode(
     slots = [torch.arange(i * context, (i + 1) * context) for i in range(batch_size)]
     runner.forward(ForwardBatch.build([p[:-1].tolist() for p in prompts], [0] * batch_size, [s[:-1] for s in slots]))
     step = ForwardBatch.build([[int(p[-1])] for p in prompts], [context - 1] * batch_size, slots)
-    ours = median_seconds(lambda: runner.forward(step), runs)
     with torch.inference_mode():
         cache = hf_model(prompts[:, :-1], use_cache=True).past_key_values
         last = prompts[:, -1:]
@@ -78,10 +84,12 @@ def bench_decode(
             if extra:
                 cache.crop(-extra)
 
-        theirs = median_seconds(
-            lambda: hf_model(last, past_key_values=cache, use_cache=True, logits_to_keep=1), runs, drop_last_step
+        return paired_medians(
+            lambda: runner.forward(step),
+            lambda: hf_model(last, past_key_values=cache, use_cache=True, logits_to_keep=1),
+            runs,
+            drop_last_step,
         )
-    return ours, theirs
 
 
 def cpu_name() -> str:
@@ -101,6 +109,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
+    transformers.utils.logging.disable_progress_bar()
     print(
         f"CPU: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}"
