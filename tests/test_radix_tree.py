@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from array import array
 
 import pytest
@@ -373,3 +374,60 @@ def test_bad_page_size():
     for page_size in (0, -1, 1.5, True):
         with pytest.raises(ValueError):
             RadixTree(page_size=page_size)
+
+
+def test_long_queries_read_in_place_behave_like_short_ones():
+    """Sequences of 8192+ tokens are walked through a byte view, not a copy.
+
+    Replays the same random operations with tensors (always copied) and with
+    arrays (viewed when long) and requires the same results and structure.
+    """
+    rng = random.Random(5)
+    base = [rng.randrange(1000) for _ in range(20_000)]
+    copied, viewed = RadixTree(), RadixTree()
+    next_slot = 0
+    for _ in range(60):
+        cut = rng.randrange(1, len(base))
+        tokens = base[:cut] + [rng.randrange(3) for _ in range(rng.randrange(0, 9000))]
+        if rng.random() < 0.5:
+            results = [
+                tree.match_prefix(as_type(tokens))
+                for tree, as_type in ((copied, torch.tensor), (viewed, lambda t: array("q", t)))
+            ]
+            assert results[0].length == results[1].length
+            assert torch.equal(results[0].indices, results[1].indices)
+        else:
+            indices = slots(next_slot, len(tokens))
+            next_slot += len(tokens)
+            assert copied.insert(torch.tensor(tokens), indices) == viewed.insert(
+                array("q", tokens), indices
+            )
+        if rng.random() < 0.2:
+            assert torch.equal(copied.evict(5000), viewed.evict(5000))
+        assert copied.pretty() == viewed.pretty()
+    viewed.check_invariants()
+    before = viewed.pretty()
+    with pytest.raises(ValueError):
+        viewed.insert(array("q", base + [-1]), slots(0, len(base) + 1))
+    with pytest.raises(ValueError):
+        viewed.match_prefix(base[:100] + [-1] * 9000)
+    assert viewed.pretty() == before
+
+
+def test_a_kept_exception_does_not_pin_a_long_array():
+    """Long arrays are read through a view; the view must not outlive the call."""
+    tree = RadixTree()
+    tokens = array("q", range(10_000))
+    tree.insert(tokens, slots(0, 10_000))
+    bad = array("q", list(range(10_000)) + [-1])
+    kept = []
+    for call in (
+        lambda: tree.match_prefix(bad),
+        lambda: tree.insert(bad, slots(0, 10_001)),
+        lambda: tree.insert(bad, slots(0, 3)),
+    ):
+        with pytest.raises(ValueError) as caught:
+            call()
+        kept.append(caught.value)
+        bad.append(1)  # would raise BufferError while a view is alive
+    tokens.append(1)

@@ -4,7 +4,9 @@ The tree never walks a key token by token in Python. Every token sequence is
 packed once, on entry, into native unsigned 64-bit integers (`array('Q')`
 bytes); an edge then matches a query when `query.startswith(edge, offset)`
 holds, which is one `memcmp` and copies nothing. Only where an edge and a
-query part ways does `common_prefix_pages` bisect over such compares.
+query part ways does `common_prefix_pages` bisect over such compares. A long
+int64 array is not even copied: it is read through a byte view for the
+duration of the call.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ Tokens = list | tuple | array | torch.Tensor
 Int64Buffer = array | torch.Tensor
 """Tokens as 8-byte integers that torch can read without a copy."""
 
+Packed = bytes | memoryview
+"""Packed tokens: bytes, or for long sequences a byte view of an int64 array."""
+
 # Byte of a native uint64 that holds its top bit: tokens are in [0, 2**63)
 # exactly when every such byte is below 0x80, i.e. `bytes.isascii()`.
 _SIGN_BYTE = TOKEN_BYTES - 1 if sys.byteorder == "little" else 0
@@ -31,9 +36,10 @@ _INT64_TYPECODES = frozenset("qQlL")
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
 _NOT_TOKEN_DTYPES = frozenset({torch.bool})
 _BULK_CHECK_BYTES = 8192 * TOKEN_BYTES
+_VIEW_MIN_TOKENS = 8192
 
 
-def pack_tokens(tokens: Tokens) -> tuple[bytes, Int64Buffer]:
+def pack_tokens(tokens: Tokens) -> tuple[Packed, Int64Buffer]:
     """Pack `tokens` as native uint64 bytes, rejecting what is not int tokens.
 
     Accepts a list or tuple of ints, an integer `array`, or a 1-D integer
@@ -49,7 +55,7 @@ def pack_tokens(tokens: Tokens) -> tuple[bytes, Int64Buffer]:
             values = array("Q", tokens)
         except (TypeError, OverflowError):
             raise ValueError("tokens must be a 1-D sequence of non-negative ints") from None
-        return values.tobytes(), values
+        return _packed(values), values
     if isinstance(tokens, array):
         return _pack_array(tokens)
     if isinstance(tokens, torch.Tensor):
@@ -60,7 +66,23 @@ def pack_tokens(tokens: Tokens) -> tuple[bytes, Int64Buffer]:
     )
 
 
-def check_token_range(packed: bytes, values: Int64Buffer, start: int) -> None:
+def _packed(values: array) -> Packed:
+    # A long sequence is read in place: copying a 30k-token document costs
+    # more than the slower per-edge compares on a view (see RadixTree._walk).
+    if len(values) >= _VIEW_MIN_TOKENS:
+        return memoryview(values).cast("B")
+    return values.tobytes()
+
+
+def release_views(*packed: Packed) -> None:
+    """Let go of byte views at once, so even a kept exception cannot pin the
+    caller's array (an array with live views refuses to grow)."""
+    for item in packed:
+        if isinstance(item, memoryview):
+            item.release()
+
+
+def check_token_range(packed: Packed, values: Int64Buffer, start: int) -> None:
     """Raise `ValueError` unless every token from byte `start` on is in [0, 2**63).
 
     A token is in range when its top byte is below 0x80, so short tails are
@@ -68,7 +90,7 @@ def check_token_range(packed: bytes, values: Int64Buffer, start: int) -> None:
     document) with a torch `min` over `values`, about twice as fast there.
     """
     if len(packed) - start < _BULK_CHECK_BYTES:
-        in_range = packed[start + _SIGN_BYTE :: TOKEN_BYTES].isascii()
+        in_range = bytes(packed[start:])[_SIGN_BYTE::TOKEN_BYTES].isascii()
     elif isinstance(values, torch.Tensor):
         in_range = int(values[start // TOKEN_BYTES :].min()) >= 0
     else:
@@ -77,20 +99,20 @@ def check_token_range(packed: bytes, values: Int64Buffer, start: int) -> None:
         raise ValueError("tokens must be non-negative ints below 2**63")
 
 
-def _pack_array(tokens: array) -> tuple[bytes, Int64Buffer]:
+def _pack_array(tokens: array) -> tuple[Packed, Int64Buffer]:
     code = tokens.typecode
     if code in _INT64_TYPECODES and tokens.itemsize == TOKEN_BYTES:
-        return tokens.tobytes(), tokens
+        return _packed(tokens), tokens
     if code in _INT_TYPECODES:
         try:
             values = array("Q", tokens)
         except OverflowError:
             raise ValueError("tokens must be non-negative ints below 2**63") from None
-        return values.tobytes(), values
+        return _packed(values), values
     raise ValueError(f"tokens array must hold integers, got typecode {code!r}")
 
 
-def _pack_tensor(tokens: torch.Tensor) -> tuple[bytes, Int64Buffer]:
+def _pack_tensor(tokens: torch.Tensor) -> tuple[Packed, Int64Buffer]:
     if tokens.dim() != 1:
         raise ValueError(f"tokens tensor must be 1-D, got shape {tuple(tokens.shape)}")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype in _NOT_TOKEN_DTYPES:
@@ -102,7 +124,7 @@ def _pack_tensor(tokens: torch.Tensor) -> tuple[bytes, Int64Buffer]:
     return ctypes.string_at(values.data_ptr(), values.numel() * TOKEN_BYTES), values
 
 
-def common_prefix_pages(query: bytes, offset: int, key: bytes, page_bytes: int) -> int:
+def common_prefix_pages(query: Packed, offset: int, key: bytes, page_bytes: int) -> int:
     """Whole pages that `key` and `query[offset:]` have in common.
 
     The caller has already seen the first page match (it found `key` by that
@@ -111,12 +133,12 @@ def common_prefix_pages(query: bytes, offset: int, key: bytes, page_bytes: int) 
     so the bytes compared add up to about one pass over the shorter side.
     """
     limit = min(len(key), len(query) - offset) // page_bytes
-    view = memoryview(key)
+    view = memoryview(query)
     low, high = 1, limit
     while low < high:
         mid = (low + high + 1) // 2
         start = low * page_bytes
-        if query.startswith(view[start : mid * page_bytes], offset + start):
+        if key.startswith(view[offset + start : offset + mid * page_bytes], start):
             low = mid
         else:
             high = mid - 1

@@ -22,14 +22,30 @@ from sortedcontainers import SortedList
 from radixrt.tree import debug
 from radixrt.tree.keys import (
     TOKEN_BYTES,
+    Packed,
     Tokens,
     check_token_range,
-    common_prefix_pages,
     pack_slots,
     pack_tokens,
+    release_views,
     unpack_slots,
 )
 from radixrt.tree.node import MatchResult, TreeNode
+from radixrt.tree.walk import walk
+
+
+def _check_indices(indices: torch.Tensor, num_tokens: int) -> None:
+    if not isinstance(indices, torch.Tensor):
+        raise ValueError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dim() != 1 or indices.dtype != torch.int64:
+        raise ValueError(
+            f"indices must be a 1-D int64 tensor, got {indices.dim()}-D {indices.dtype}"
+        )
+    if indices.numel() != num_tokens:
+        raise ValueError(
+            f"indices must have one slot per token: {num_tokens} tokens, "
+            f"{indices.numel()} indices"
+        )
 
 
 class RadixTree:
@@ -83,10 +99,14 @@ class RadixTree:
         match; with nothing matched it is the namespace's root.
         """
         packed, values = pack_tokens(tokens)
-        root = self._find_root(namespace)
-        path, offset, cut = self._walk(root, self._whole_pages(packed))
-        check_token_range(packed, values, offset)
-        last_node = self._commit(root or self._new_root(namespace), path, cut)
+        query = self._whole_pages(packed)
+        try:
+            root = self._find_root(namespace)
+            path, offset, cut = walk(root, query, self._page_bytes)
+            check_token_range(packed, values, offset)
+            last_node = self._commit(root or self._new_root(namespace), path, cut)
+        finally:
+            release_views(query, packed)
         return MatchResult(offset // TOKEN_BYTES, last_node, [node.slots for node in path])
 
     def insert(self, tokens: Tokens, indices: torch.Tensor, namespace: Hashable = None) -> int:
@@ -99,59 +119,23 @@ class RadixTree:
         and any tail beyond the last whole page stays the caller's.
         """
         packed, values = pack_tokens(tokens)
-        num_tokens = len(packed) // TOKEN_BYTES
-        if not isinstance(indices, torch.Tensor):
-            raise ValueError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
-        if indices.dim() != 1 or indices.dtype != torch.int64:
-            raise ValueError(
-                f"indices must be a 1-D int64 tensor, got {indices.dim()}-D {indices.dtype}"
-            )
-        if indices.numel() != num_tokens:
-            raise ValueError(
-                f"indices must have one slot per token: {num_tokens} tokens, "
-                f"{indices.numel()} indices"
-            )
-        root = self._find_root(namespace)
         query = self._whole_pages(packed)
-        path, offset, cut = self._walk(root, query)
-        check_token_range(packed, values, offset)
-        node = self._commit(root or self._new_root(namespace), path, cut)
-        if offset < len(query):
-            # A copy: the caller may reuse its tensor (e.g. a request-table row).
-            slots = pack_slots(indices, offset // TOKEN_BYTES, len(query) // TOKEN_BYTES)
-            leaf = TreeNode(node, query[offset:], slots, self._clock, self._new_id())
-            node.children[query[offset : offset + self._page_bytes]] = leaf
-            self._evictable_tokens += leaf.num_tokens
-            self._file_if_evictable(leaf)
+        try:
+            _check_indices(indices, len(packed) // TOKEN_BYTES)
+            root = self._find_root(namespace)
+            path, offset, cut = walk(root, query, self._page_bytes)
+            check_token_range(packed, values, offset)
+            node = self._commit(root or self._new_root(namespace), path, cut)
+            if offset < len(query):
+                # A copy: the caller may reuse its tensor (e.g. a request-table row).
+                slots = pack_slots(indices, offset // TOKEN_BYTES, len(query) // TOKEN_BYTES)
+                leaf = TreeNode(node, bytes(query[offset:]), slots, self._clock, self._new_id())
+                node.children[leaf.key[: self._page_bytes]] = leaf
+                self._evictable_tokens += leaf.num_tokens
+                self._file_if_evictable(leaf)
+        finally:
+            release_views(query, packed)
         return offset // TOKEN_BYTES
-
-    def _walk(
-        self, root: TreeNode | None, query: bytes
-    ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
-        """Follow `query` down without changing anything.
-
-        Returns the nodes whose whole edge matched, the matched length in
-        bytes, and, where the match ends inside an edge, that child and how
-        many of its bytes matched (the split `_commit` will make).
-        """
-        path: list[TreeNode] = []
-        if root is None:
-            return path, 0, None
-        node, offset, end, page_bytes = root, 0, len(query), self._page_bytes
-        append = path.append
-        while offset < end:
-            child = node.children.get(query[offset : offset + page_bytes])
-            if child is None:
-                break
-            key = child.key
-            if query.startswith(key, offset):  # one memcmp, no copy
-                append(child)
-                offset += len(key)
-                node = child
-                continue
-            matched = common_prefix_pages(query, offset, key, page_bytes) * page_bytes
-            return path, offset + matched, (child, matched)
-        return path, offset, None
 
     def _commit(
         self, root: TreeNode, path: list[TreeNode], cut: tuple[TreeNode, int] | None
@@ -264,7 +248,7 @@ class RadixTree:
         return debug.pretty(self)
 
     # ------------------------------------------------------------- internals
-    def _whole_pages(self, packed: bytes) -> bytes:
+    def _whole_pages(self, packed: Packed) -> Packed:
         cut = len(packed) - len(packed) % self._page_bytes
         return packed if cut == len(packed) else packed[:cut]
 
