@@ -87,10 +87,10 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     from radixrt.benchmarks.suite import main as bench_main
 
-    forwarded = ["--device", args.device, "--dtype", args.dtype, "--attention-backend", args.attention_backend,
-                 "--page-size", str(args.page_size)]
-    if args.model is not None:
-        forwarded += ["--model", args.model]
+    given = {"--model": args.model, "--device": args.device, "--dtype": args.dtype,
+             "--attention-backend": args.attention_backend, "--page-size": args.page_size}
+    defaults = {"--model": None, "--device": "auto", "--dtype": "auto", "--attention-backend": "auto", "--page-size": 1}
+    forwarded = [item for option, value in given.items() if value != defaults[option] for item in (option, str(value))]
     return bench_main(forwarded + rest)
 
 

@@ -49,7 +49,8 @@ def run_workload(workload: Workload, system: System, tokenizer: Any) -> Run:
     wall_s = time.perf_counter() - started
     counts_after = system.cache_counts()
     if counts_before is None or counts_after is None:
-        prompt_tokens, cached_tokens = sum(c.prompt_tokens for c in completions), sum(c.cached_tokens for c in completions)
+        prompt_tokens = sum(c.prompt_tokens for c in completions)
+        cached_tokens = sum(c.cached_tokens for c in completions)
     else:
         prompt_tokens, cached_tokens = (after - before for after, before in zip(counts_after, counts_before))
     return Run(wall_s, completions, prompt_tokens, cached_tokens)

@@ -57,10 +57,12 @@ def few_shot_example(rng: random.Random, num_sentences: int) -> str:
     facts = [f"{town} was founded in {year} by {founder}, {rng.choice(_JOBS)}."]
     facts += [town_fact(rng) for _ in range(num_sentences - 1)]
     rng.shuffle(facts)
-    return f"Passage: {' '.join(facts)}\nQuestion: Who founded {town}, and in which year?\nAnswer: {founder}, in {year}.\n\n"
+    return (f"Passage: {' '.join(facts)}\nQuestion: Who founded {town}, and in which year?\n"
+            f"Answer: {founder}, in {year}.\n\n")
 
 
-def few_shot_prefix(rng: random.Random, count_tokens: Callable[[str], int], target_tokens: int, num_shots: int = 5) -> str:
+def few_shot_prefix(rng: random.Random, count_tokens: Callable[[str], int], target_tokens: int,
+                    num_shots: int = 5) -> str:
     """An instruction and `num_shots` examples, grown one sentence (in one example) at a time to the target."""
     head = "Answer each question using only the passage above it. Give the name and the year.\n\n"
     state = rng.getstate()
@@ -88,7 +90,8 @@ def word_problem_fact(rng: random.Random) -> str:
     return rng.choice([
         f"{person} buys {rng.randint(2, 40)} {item} at {rng.randint(2, 19)} coins each.",
         f"{person} gives away {rng.randint(1, 9)} {item} to a neighbour.",
-        f"On {rng.choice(_MONTHS)} {rng.randint(1, 28)}, {person} sells {rng.randint(1, 12)} {item} for {rng.randint(3, 30)} coins each.",
+        f"On {rng.choice(_MONTHS)} {rng.randint(1, 28)}, {person} sells {rng.randint(1, 12)} {item} "
+        f"for {rng.randint(3, 30)} coins each.",
         f"A storm destroys {rng.randint(1, 5)} of the {item} that {person} keeps in the shed.",
         f"{person} borrows {rng.randint(10, 90)} coins from the market guild and repays a tenth every week.",
     ])

@@ -78,7 +78,8 @@ def targets(results: dict[str, dict[str, Any]], speedups: dict[str, dict[str, fl
 
     first, rest = radix("table", "ttft_first_s"), radix("table", "ttft_rest_p50_s")
     goals = [
-        ("few-shot-64: throughput, cache on / cache off", speedup("few-shot-64", "radixrt/radixrt-no-cache"), ">=", 3.0),
+        ("few-shot-64: throughput, cache on / cache off",
+         speedup("few-shot-64", "radixrt/radixrt-no-cache"), ">=", 3.0),
         ("few-shot-64: throughput, radixrt / transformers", speedup("few-shot-64", "radixrt/transformers"), ">=", 3.0),
         ("table: TTFT of a hit / TTFT of the miss", rest / first if first and rest else None, "<=", 1 / 8),
         ("self-consistency: cache hit rate", radix("self-consistency", "hit_rate"), ">=", 0.8),
@@ -113,12 +114,14 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---|",
     ]
     for name, info in report["workloads"].items():
-        temperature = info["temperature"]
-        lines.append(
-            f"| {name} | {info['requests']} | {info.get('prompt_tokens_min', '-')}–{info.get('prompt_tokens_max', '-')} "
-            f"| {info.get('shared_prefix_tokens', '-')} | {info['max_new_tokens']} "
-            f"| {'greedy' if temperature == 0 else f'T={temperature}'}{', prefix warm' if info['warm_prefix'] else ''} |"
-        )
+        if "prompt_tokens_min" in info:
+            prompt = f"{info['prompt_tokens_min']}–{info['prompt_tokens_max']}"
+        else:  # chat: later turns depend on the answers
+            prompt = f"{info['first_turn_prompt_tokens']} (turn 1)"
+        sampling = "greedy" if info["temperature"] == 0 else f"T={info['temperature']}"
+        warm = ", prefix warm" if info["warm_prefix"] else ""
+        lines.append(f"| {name} | {info['requests']} | {prompt} | {info['shared_prefix_tokens']} "
+                     f"| {info['max_new_tokens']} | {sampling}{warm} |")
     lines += ["", "| workload | system | wall s | out tok/s | TTFT p50 s | TTFT p99 s | e2e p50 s | e2e p99 s "
               "| prompt tok | cached tok | hit rate | vs transformers |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

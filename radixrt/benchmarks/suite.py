@@ -44,9 +44,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (GPU)")
     p.add_argument("--attention-backend", default="auto", help="radixrt's attention backend")
     p.add_argument("--page-size", type=int, default=1, help="radixrt's KV page size")
-    p.add_argument("--workloads", default=",".join(WORKLOAD_NAMES), help=f"comma-separated, of {','.join(WORKLOAD_NAMES)}")
+    p.add_argument("--workloads", default=",".join(WORKLOAD_NAMES),
+                   help=f"comma-separated, of {','.join(WORKLOAD_NAMES)}")
     p.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma-separated, of {','.join(SYSTEM_NAMES)}")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per workload and system (default 3; 1 with --quick)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed repetitions per workload and system (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny workloads: a smoke run (CI), not a measurement")
     p.add_argument("--order", choices=("auto", "interleaved", "system"), default="auto",
                    help="interleaved: all systems loaded, taking turns each repetition (fair under a changing "
@@ -73,7 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "suite": {"command": command, "scale": "quick" if args.quick else "full", "reps": reps, "seed": args.seed,
                   "systems": list(system_names), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "load_average_before": list(os.getloadavg())},
-        "machine": reporting.machine(resolved_device(args.device), _dtype(args.device, args.dtype), _model_name(args.model)),
+        "machine": reporting.machine(resolved_device(args.device), _dtype(args.device, args.dtype),
+                                     _model_name(args.model)),
         "workloads": {w.name: w.info for w in workloads},
         "results": {w.name: {} for w in workloads},
     }
@@ -143,7 +146,8 @@ def _names(value: str, accepted: tuple[str, ...], option: str) -> tuple[str, ...
     names = tuple(n.strip() for n in value.split(",") if n.strip())
     unknown = [n for n in names if n not in accepted]
     if unknown or not names:
-        raise SystemExit(f"radixrt bench: {option} takes a comma-separated list of {', '.join(accepted)}; got {value!r}")
+        raise SystemExit(f"radixrt bench: {option} takes a comma-separated list of {', '.join(accepted)}; "
+                         f"got {value!r}")
     return names
 
 
