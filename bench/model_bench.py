@@ -6,7 +6,9 @@ Measures, for the bundled SmolLM2-135M-Instruct on this machine, per dtype:
   decode    one step for --batch-sizes sequences of --context tokens each: ms/step
             (transformers: one step with its DynamicCache, cropped back after each run;
             radixrt: one decode batch over the paged pool, torch attention backend)
-Medians of --runs timed runs after one warm-up, radixrt and transformers alternating.
+Medians (or with --statistic min, best times) of --runs timed runs after one warm-up,
+radixrt and transformers alternating. Use min on a machine shared with other jobs: the
+best run is the one least disturbed.
 Not a test: nothing is asserted.
 
     python bench/model_bench.py [--dtypes fp32,bf16] [--prefill-len 512] [--context 256]
@@ -31,13 +33,14 @@ from radixrt.model.loader import LoadedModel, load_model
 from radixrt.model.runner import ModelRunner
 
 
-def paired_medians(
+def paired_times(
     ours: Callable[[], object],
     theirs: Callable[[], object],
     runs: int,
+    statistic: Callable[[list[float]], float],
     reset_theirs: Callable[[], None] | None = None,
 ) -> tuple[float, float]:
-    """Median seconds of each step, timed alternately (ours, theirs, ours, ...) after one
+    """`statistic` of each step's seconds, timed alternately (ours, theirs, ours, ...) after one
     warm-up each, so a burst of load from elsewhere hits both sides alike."""
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(runs + 1):
@@ -48,7 +51,7 @@ def paired_medians(
             step()
             if i:
                 times[side].append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return statistic(times[0]), statistic(times[1])
 
 
 def make_runner(loaded: LoadedModel, num_slots: int) -> ModelRunner:
@@ -58,16 +61,25 @@ def make_runner(loaded: LoadedModel, num_slots: int) -> ModelRunner:
     return ModelRunner(loaded.model, kv_cache, backend)
 
 
-def bench_prefill(loaded: LoadedModel, hf_model: torch.nn.Module, length: int, runs: int) -> tuple[float, float]:
+def bench_prefill(
+    loaded: LoadedModel, hf_model: torch.nn.Module, length: int, runs: int, statistic: Callable[[list[float]], float]
+) -> tuple[float, float]:
     ids = torch.randint(0, loaded.config.vocab_size, (length,), generator=torch.Generator().manual_seed(0))
     runner = make_runner(loaded, length)
     batch = ForwardBatch.build([ids.tolist()], [0], [torch.arange(length)])
     with torch.inference_mode():
-        return paired_medians(lambda: runner.forward(batch), lambda: hf_model(ids[None], logits_to_keep=1), runs)
+        return paired_times(
+            lambda: runner.forward(batch), lambda: hf_model(ids[None], logits_to_keep=1), runs, statistic
+        )
 
 
 def bench_decode(
-    loaded: LoadedModel, hf_model: torch.nn.Module, batch_size: int, context: int, runs: int
+    loaded: LoadedModel,
+    hf_model: torch.nn.Module,
+    batch_size: int,
+    context: int,
+    runs: int,
+    statistic: Callable[[list[float]], float],
 ) -> tuple[float, float]:
     generator = torch.Generator().manual_seed(batch_size)
     prompts = torch.randint(0, loaded.config.vocab_size, (batch_size, context), generator=generator)
@@ -84,10 +96,11 @@ def bench_decode(
             if extra:
                 cache.crop(-extra)
 
-        return paired_medians(
+        return paired_times(
             lambda: runner.forward(step),
             lambda: hf_model(last, past_key_values=cache, use_cache=True, logits_to_keep=1),
             runs,
+            statistic,
             drop_last_step,
         )
 
@@ -108,25 +121,27 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--statistic", choices=("median", "min"), default="median")
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()
+    statistic = statistics.median if args.statistic == "median" else min
     print(
         f"CPU: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}"
+        f"transformers {transformers.__version__}; {args.statistic} of {args.runs} runs"
     )
     print("| dtype | measure | radixrt | transformers | radixrt speed-up |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         loaded = load_model(None, device="cpu", dtype=dtype)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=loaded.model.dtype).eval()
-        ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs)
+        ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs, statistic)
         print(
             f"| {dtype} | prefill {args.prefill_len} tokens (tokens/s) | {args.prefill_len / ours:.0f} | "
             f"{args.prefill_len / theirs:.0f} | {theirs / ours:.2f}x |",
             flush=True,
         )
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-            ours, theirs = bench_decode(loaded, hf_model, batch_size, args.context, args.runs)
+            ours, theirs = bench_decode(loaded, hf_model, batch_size, args.context, args.runs, statistic)
             print(
                 f"| {dtype} | decode step, batch {batch_size}, {args.context}-token contexts (ms) | "
                 f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |",
