@@ -14,7 +14,7 @@ import queue
 import random
 import threading
 import weakref
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from radixrt.config import RuntimeConfig
 from radixrt.engine.cache_manager import CacheManager
@@ -65,7 +65,8 @@ class Runtime:
         list of token-id lists, or chat messages ([{"role", "content"}, ...]).
         With `n > 1` each prompt yields n results (a list, prompt by prompt).
         `stream=True` returns an iterator of chunks
-        {"index", "text", "output_ids", "finished", "meta_info"?}.
+        {"index", "id", "text", "output_ids", "finished", "meta_info"?};
+        `abort(chunk["id"])` stops that request.
         `cache_salt` puts the request in its own cache namespace.
         `logprob_start_len` asks for the prompt tokens' log-probabilities from
         that position on (in meta_info["input_token_logprobs"]).
@@ -96,25 +97,12 @@ class Runtime:
 
     # --- cache -------------------------------------------------------------------------
     def cache_stats(self) -> dict[str, float | int]:
-        with self._cv:
-            engine = self.engine
-            stats: dict[str, float | int] = {
-                "prompt_tokens": engine.prompt_tokens,
-                "cached_prompt_tokens": engine.cached_prompt_tokens,
-                "hit_rate": engine.cached_prompt_tokens / engine.prompt_tokens if engine.prompt_tokens else 0.0,
-                "computed_tokens": engine.num_computed_tokens,
-                "retracted_requests": engine.num_retracted,
-            }
-            stats.update(engine.cache.stats())
-            return stats
+        """Hit rate (cached prompt tokens / prompt tokens), tree and pool usage, evictions."""
+        return self._call(self._engine_stats)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix and reset the hit counters (the runtime must be idle)."""
-        done: queue.Queue[BaseException | None] = queue.Queue()
-        self._post("flush", done)
-        error = done.get()
-        if error is not None:
-            raise error
+        self._call(self.engine.flush_cache)
 
     # --- lifecycle ---------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -188,6 +176,38 @@ class Runtime:
     def _submit(self, requests: list[Request]) -> None:
         self._post("add", requests)
 
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between two steps and return its result.
+
+        Only the engine thread touches engine state while it runs, so callers
+        never see a half-done step and never hold a lock the step loop needs.
+        """
+        if threading.current_thread() is self._thread:
+            return fn()
+        with self._cv:
+            closed = self._closed
+        if closed or not self._thread.is_alive():
+            self._thread.join()  # a shut-down engine finishes its last step first
+            return fn()
+        reply: queue.Queue[tuple[bool, Any]] = queue.Queue()
+        self._post("call", (fn, reply))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    def _engine_stats(self) -> dict[str, float | int]:
+        engine = self.engine
+        stats: dict[str, float | int] = {
+            "prompt_tokens": engine.prompt_tokens,
+            "cached_prompt_tokens": engine.cached_prompt_tokens,
+            "hit_rate": engine.cached_prompt_tokens / engine.prompt_tokens if engine.prompt_tokens else 0.0,
+            "computed_tokens": engine.num_computed_tokens,
+            "retracted_requests": engine.num_retracted,
+        }
+        stats.update(engine.cache.stats())
+        return stats
+
     def _post(self, action: str, payload: Any) -> None:
         with self._cv:
             if self._closed:
@@ -215,7 +235,7 @@ class Runtime:
                 item = outputs.get()
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"the request did not complete: {item}") from item
-                chunk = {"index": index_of[item.rid], "text": item.text_delta,
+                chunk = {"index": index_of[item.rid], "id": item.rid, "text": item.text_delta,
                          "output_ids": item.token_ids_delta, "finished": item.finished}
                 if item.finished:
                     remaining -= 1
@@ -227,19 +247,22 @@ class Runtime:
                     self.abort(req.rid)
 
     def _loop(self) -> None:
+        """Apply posted actions, then step; the lock is never held during a step."""
         failure: BaseException | None = None
+        busy = False
         try:
             while True:
                 with self._cv:
-                    while not self._actions and not self.engine.has_work and not self._closed:
+                    while not self._actions and not busy and not self._closed:
                         self._cv.wait()
                     if self._closed:
                         break
                     actions, self._actions = self._actions, []
-                    for action, payload in actions:
-                        self._apply(action, payload)
-                    if self.engine.has_work:
-                        self.engine.step()
+                for action, payload in actions:
+                    self._apply(action, payload)
+                if self.engine.has_work:
+                    self.engine.step()
+                busy = self.engine.has_work
         except Exception as error:  # an engine bug: fail every request, keep the process alive
             logger.exception("engine step failed")
             failure = self._engine_error = error
@@ -255,8 +278,8 @@ class Runtime:
         for action, payload in actions:
             if action == "add":
                 waiting.extend(payload)
-            elif action == "flush":
-                payload.put(reason)
+            elif action == "call":
+                payload[1].put((False, reason))
         for req in waiting:
             if req.on_output is not None:
                 req.on_output(reason)  # type: ignore[arg-type]
@@ -267,12 +290,12 @@ class Runtime:
                 self.engine.add_request(req)
         elif action == "abort":
             self.engine.abort(payload)
-        elif action == "flush":
+        elif action == "call":
+            fn, reply = payload
             try:
-                self.engine.flush_cache()
-                payload.put(None)
+                reply.put((True, fn()))
             except Exception as error:
-                payload.put(error)
+                reply.put((False, error))
 
 
 # The engine thread is a daemon so a forgotten Runtime never blocks exit, but

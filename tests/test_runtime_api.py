@@ -129,21 +129,25 @@ def test_abort_frees_the_request(rt):
 def test_abort_by_id_reports_abort(rt):
     outputs = []
     prompt = ids(30, seed=8)
-    stream = rt.generate(prompt, {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}, stream=True)
+    stream = rt.generate(prompt, {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}, stream=True)
     for chunk in stream:
         outputs.append(chunk)
         if len(outputs) == 2:
-            rt.abort(rt_request_id(rt))
+            rt.abort(chunk["id"])
         if chunk["finished"]:
             break
     assert outputs[-1]["meta_info"]["finish_reason"]["type"] == "abort"
-    assert outputs[-1]["meta_info"]["completion_tokens"] < 500
+    assert outputs[-1]["meta_info"]["completion_tokens"] < 900
+    assert rt.cache_stats()["protected_tokens"] == 0
 
 
-def rt_request_id(rt: Runtime) -> str:
-    with rt._cv:
-        (rid,) = rt.engine.requests
-    return rid
+def test_cache_stats_answers_while_a_long_request_runs(rt):
+    stream = rt.generate(ids(20, seed=9), {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}, stream=True)
+    first = next(stream)
+    stats = rt.cache_stats()  # served between two steps, not after the request
+    assert stats["protected_tokens"] > 0
+    rt.abort(first["id"])
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def test_threads_and_asyncio_share_one_engine(rt):
