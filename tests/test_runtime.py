@@ -42,7 +42,12 @@ def prefix_workloads(vocab_size: int, seed: int = 0) -> list[list[list[int]]]:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_greedy_equals_transformers_with_cache_on_and_off(tiny_llama_dir, tiny_llama_hf, hf_greedy, page_size):
+@pytest.mark.parametrize("min_shared_prefix", [64, 1], ids=["cascade-from-64", "cascade-always"])
+def test_greedy_equals_transformers_with_cache_on_and_off(
+    tiny_llama_dir, tiny_llama_hf, hf_greedy, page_size, min_shared_prefix, monkeypatch
+):
+    """Also with every shared slot prefix attended once for all its sequences (shared_prefix.py)."""
+    monkeypatch.setattr("radixrt.kernels.shared_prefix.MIN_SHARED_PREFIX", min_shared_prefix)
     vocab = tiny_llama_hf.config.vocab_size
     batches = prefix_workloads(vocab)
     with runtime(tiny_llama_dir, page_size=page_size) as cached, runtime(

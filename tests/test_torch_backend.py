@@ -117,3 +117,83 @@ def test_registry_rejects_unknown_and_gpu_backends_on_cpu():
     for name in ("triton", "flashinfer"):
         with pytest.raises(ValueError, match="needs a CUDA KV cache"):
             create_backend(name, cache, 4, 2, 64)
+
+
+def make_shared_case(shared_len, specs, page_size, num_q_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
+    """Sequences whose slot lists start with the same `shared_len` slots (tree-owned pages),
+    then pages of their own. specs: (prefix_len, extend_len) with prefix_len >= shared_len,
+    or (None, prefix_len, extend_len) for a sequence that shares nothing."""
+    generator = torch.Generator().manual_seed(seed)
+    shared_pages = -(-shared_len // page_size)
+    own = [-(-(s[-2] + s[-1] - (0 if len(s) == 3 else shared_len)) // page_size) for s in specs]
+    num_pages = shared_pages + sum(own) + 2
+    order = torch.randperm(num_pages, generator=generator)
+    pages_to_slots = lambda pages: (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+    shared = pages_to_slots(order[:shared_pages])[:shared_len]
+    taken, kv_slots = shared_pages, []
+    for spec, n in zip(specs, own):
+        mine = pages_to_slots(order[taken : taken + n])
+        taken += n
+        prefix, extend = spec[-2], spec[-1]
+        if len(spec) == 3:
+            kv_slots.append(mine[: prefix + extend])
+        else:
+            kv_slots.append(torch.cat([shared, mine])[: prefix + extend])
+    cache = KVCache(KVShape(2, num_kv_heads, head_dim, dtype), num_pages * page_size)
+    for layer in range(2):
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=generator))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=generator))
+    batch = ForwardBatch.build([[0] * s[-1] for s in specs], [s[-2] for s in specs], kv_slots)
+    q, k, v = (
+        torch.randn(batch.num_tokens, h, head_dim, generator=generator).to(dtype)
+        for h in (num_q_heads, num_kv_heads, num_kv_heads)
+    )
+    return cache, batch, q, k, v
+
+
+SHARED = {
+    "fork-decode": (64, [(64, 1), (70, 1), (64, 1), (90, 1)]),  # k samples after one prompt
+    "few-shot-extend": (64, [(64, 9), (64, 3), (64, 17)]),  # questions after one cached prefix
+    "whole-prefix": (48, [(48, 1), (48, 5)]),  # a tail with no private prefix
+    "mixed-with-strangers": (64, [(64, 12), (None, 30, 1), (80, 1), (None, 0, 20), (100, 1)]),
+}
+
+
+@pytest.mark.parametrize("layout", list(SHARED))
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(4, 4, 64), (6, 2, 64)])
+def test_shared_prefix_attention_matches_reference(layout, page_size, num_q_heads, num_kv_heads, head_dim, monkeypatch):
+    monkeypatch.setattr("radixrt.kernels.shared_prefix.MIN_SHARED_PREFIX", 32)
+    shared_len, specs = SHARED[layout]
+    cache, batch, q, k, v = make_shared_case(shared_len, specs, page_size, num_q_heads, num_kv_heads, head_dim)
+    backend = TorchAttentionBackend(cache, num_q_heads, num_kv_heads, head_dim, page_size)
+    plan = backend.plan(batch)
+    members = [i for i, s in enumerate(specs) if len(s) == 2]
+    assert [c.prefix.members for c in plan.cascades] == [tuple(members)]
+    assert plan.cascades[0].prefix.length == shared_len  # no partial page is ever shared by the tree
+    expected = reference(cache, batch, q, k, v, layer=0)
+    out = backend.forward(q, k, v, 0, batch, plan)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_in_bfloat16_reads_consecutive_slots_in_place(monkeypatch):
+    monkeypatch.setattr("radixrt.kernels.shared_prefix.MIN_SHARED_PREFIX", 32)
+    specs = [(64, 1), (64, 7), (75, 1)]
+    cache, _, q, k, v = make_shared_case(64, specs, 1, 6, 2, 64, dtype=torch.bfloat16)
+    # Rebuild the batch with the shared prefix in slots 0..63, as a fresh pool allocates them.
+    own = iter(range(64, cache.num_slots))
+    kv_slots = [torch.cat([torch.arange(64), torch.tensor([next(own) for _ in range(p + e - 64)])]) for p, e in specs]
+    batch = ForwardBatch.build([[0] * e for _, e in specs], [p for p, _ in specs], kv_slots)
+    backend = TorchAttentionBackend(cache, 6, 2, 64, 1)
+    plan = backend.plan(batch)
+    assert plan.cascades[0].prefix.contiguous_start == 0
+    expected = reference(cache, batch, q, k, v, layer=1)
+    out = backend.forward(q, k, v, 1, batch, plan)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_short_shared_prefixes_are_attended_per_sequence():
+    cache, batch, q, k, v = make_shared_case(16, [(16, 1), (20, 1)], 1, 4, 4, 64)
+    backend = TorchAttentionBackend(cache, 4, 4, 64, 1)
+    assert backend.plan(batch).cascades == ()

@@ -16,6 +16,12 @@ pool and one SDPA call:
 Padding slots point at the sequence's first slot and are masked out; padded
 query rows are computed and dropped. Slots are whatever `kv_indices` says, so
 any `page_size` works.
+
+Sequences that share a cached prefix of at least `MIN_SHARED_PREFIX` slots
+(a few-shot batch, the branches of a fork) are split in two (see
+`shared_prefix`): all their queries attend the shared prefix in one call, the
+groups above attend only the keys after it and also return log-sum-exps, and
+the two halves are merged.
 """
 
 from __future__ import annotations
@@ -26,6 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.kernels.base import AttentionBackend
+from radixrt.kernels.shared_prefix import (
+    SharedPrefix,
+    attention_with_lse,
+    find_shared_prefixes,
+    fold_heads,
+    merge,
+    prefix_keys,
+    repeat_mask_rows,
+    unfold_heads,
+)
 from radixrt.memory.kv_cache import KVCache
 from radixrt.model.forward_batch import ForwardBatch
 
@@ -40,6 +56,8 @@ class _Group:
     num_seqs: int
     q_len: int
     kv_len: int
+    is_decode: bool
+    with_lse: bool  # the keys after a shared prefix: the result is merged later
     kv_slots: torch.Tensor  # [num_seqs * kv_len] pool slots, padded
     mask: torch.Tensor | None  # additive, broadcastable to the SDPA scores; None: causal, unpadded
     q_rows: torch.Tensor | None  # [num_seqs * q_len] rows of the batch's new tokens; None: all, in order
@@ -48,9 +66,17 @@ class _Group:
 
 
 @dataclass(frozen=True)
+class _Cascade:
+    """A shared prefix and the batch rows (its members' new tokens) that attend it."""
+
+    prefix: SharedPrefix
+    rows: torch.Tensor
+
+
+@dataclass(frozen=True)
 class TorchAttentionPlan:
     groups: tuple[_Group, ...]
-    decode_group: _Group | None
+    cascades: tuple[_Cascade, ...]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -72,20 +98,28 @@ class TorchAttentionBackend(AttentionBackend):
 
     def plan(self, batch: ForwardBatch) -> TorchAttentionPlan:
         device = self.kv_cache.device
-        dtype = self.kv_cache.shape.dtype
         kv_starts = batch.kv_indptr[:-1].tolist()
         q_starts = batch.qo_indptr[:-1].tolist()
         seqs = list(zip(range(batch.num_seqs), batch.prefix_lens, batch.extend_lens, kv_starts, q_starts))
+        shared = find_shared_prefixes(batch.kv_indices, kv_starts, batch.prefix_lens) if len(seqs) > 1 else []
+        skip = {i: prefix.length for prefix in shared for i in prefix.members}
+        plain = [s for s in seqs if s[0] not in skip]
+        # After a shared prefix of length L, a sequence is a shorter one: prefix p - L, slots from L on.
+        tails = [(i, p - skip[i], e, kv + skip[i], q) for i, p, e, kv, q in seqs if i in skip]
+        groups = self._groups(plain, batch, with_lse=False) + self._groups(tails, batch, with_lse=True)
+        cascades = tuple(
+            _Cascade(prefix, torch.cat([torch.arange(q_starts[i], q_starts[i] + batch.extend_lens[i]) for i in prefix.members]).to(device))
+            for prefix in shared
+        )
+        return TorchAttentionPlan(tuple(groups), cascades)
+
+    def _groups(self, seqs: list["_Seq"], batch: ForwardBatch, with_lse: bool) -> list[_Group]:
+        device, dtype = self.kv_cache.device, self.kv_cache.shape.dtype
         decode = [s for s in seqs if s[2] == 1]
         extend = sorted((s for s in seqs if s[2] > 1), key=lambda s: (s[1] + s[2], s[2]), reverse=True)
-        groups = []
-        decode_group = None
-        if decode:
-            decode_group = _decode_group(decode, batch, device, dtype)
-            groups.append(decode_group)
-        for members in _pack(extend):
-            groups.append(_extend_group(members, batch, device, dtype))
-        return TorchAttentionPlan(tuple(groups), decode_group)
+        groups = [_decode_group(decode, batch, device, dtype, with_lse)] if decode else []
+        groups += [_extend_group(members, batch, device, dtype, with_lse) for members in _pack(extend)]
+        return groups
 
     def forward(
         self,
@@ -99,18 +133,28 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_cache.store(layer, batch.out_slots, k, v)
         k_pool, v_pool = self.kv_cache.k[layer], self.kv_cache.v[layer]
         out = None if plan.groups[0].out_rows is None else torch.empty_like(q)
+        if plan.cascades:
+            tail_out, tail_lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for group in plan.groups:
             k_group = k_pool.index_select(0, group.kv_slots).view(group.num_seqs, group.kv_len, self.num_kv_heads, -1)
             v_group = v_pool.index_select(0, group.kv_slots).view(group.num_seqs, group.kv_len, self.num_kv_heads, -1)
             k_group, v_group = k_group.transpose(1, 2), v_group.transpose(1, 2)
-            if group is plan.decode_group:
-                rows = self._decode(q, k_group, v_group, group)
-            else:
-                rows = self._extend(q, k_group, v_group, group)
+            if group.with_lse:
+                rows, lse = self._partial(q, k_group, v_group, group)
+                tail_out.index_copy_(0, group.out_rows, rows)
+                tail_lse.index_copy_(0, group.out_rows, lse)
+                continue
+            rows = self._decode(q, k_group, v_group, group) if group.is_decode else self._extend(q, k_group, v_group, group)
             if out is None:  # the only group, covering every row in order
                 return rows
             out.index_copy_(0, group.out_rows, rows)
         assert out is not None
+        for cascade in plan.cascades:
+            q_rows = fold_heads(q.index_select(0, cascade.rows).unsqueeze(0), self.num_kv_heads)
+            keys, values = prefix_keys(k_pool, cascade.prefix), prefix_keys(v_pool, cascade.prefix)
+            prefix_out, prefix_lse = unfold_heads(*attention_with_lse(q_rows, keys, values, None, self.scale), q_len=cascade.rows.numel())
+            tail = merge(prefix_out, prefix_lse, tail_out.index_select(0, cascade.rows), tail_lse.index_select(0, cascade.rows))
+            out.index_copy_(0, cascade.rows, tail)
         return out
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group) -> torch.Tensor:
@@ -128,6 +172,20 @@ class TorchAttentionBackend(AttentionBackend):
         )
         out = out.transpose(1, 2).reshape(-1, self.num_q_heads, self.head_dim)
         return out if group.valid is None else out.index_select(0, group.valid)
+
+    def _partial(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over a group's keys with each row's log-sum-exp: [T, Hq, D], [T, Hq]."""
+        assert group.q_rows is not None and group.mask is not None
+        q_group = q.index_select(0, group.q_rows).view(group.num_seqs, group.q_len, self.num_q_heads, self.head_dim)
+        mask = group.mask.reshape(group.num_seqs, 1, group.q_len, group.kv_len)
+        mask = repeat_mask_rows(mask, self.num_q_heads // self.num_kv_heads)
+        out, lse = attention_with_lse(fold_heads(q_group, self.num_kv_heads), k, v, mask, self.scale)
+        out, lse = unfold_heads(out, lse, group.q_len)
+        if group.valid is None:
+            return out, lse
+        return out.index_select(0, group.valid), lse.index_select(0, group.valid)
 
 
 _Seq = tuple[int, int, int, int, int]  # (index, prefix_len, extend_len, kv_start, q_start)
@@ -162,33 +220,40 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _decode_group(members: list[_Seq], batch: ForwardBatch, device: torch.device, dtype: torch.dtype) -> _Group:
+def _decode_group(
+    members: list[_Seq], batch: ForwardBatch, device: torch.device, dtype: torch.dtype, with_lse: bool
+) -> _Group:
     seq_lens = [s[1] + 1 for s in members]
     kv_len = max(seq_lens)
     mask = None
-    if min(seq_lens) < kv_len:
+    if with_lse or min(seq_lens) < kv_len:
         allowed = torch.arange(kv_len, device=device)[None, :] < torch.tensor(seq_lens, device=device)[:, None]
         mask = _additive(allowed[:, None, None, :], dtype)
     # With only decodes in the batch, its rows are exactly the group's rows, in order.
-    rows = None if len(members) == batch.num_seqs else torch.tensor([s[4] for s in members], device=device)
-    return _Group(len(members), 1, kv_len, _padded_slots(members, kv_len, batch, device), mask, rows, None, rows)
+    whole_batch = len(members) == batch.num_seqs and not with_lse
+    rows = None if whole_batch else torch.tensor([s[4] for s in members], device=device)
+    slots = _padded_slots(members, kv_len, batch, device)
+    return _Group(len(members), 1, kv_len, True, with_lse, slots, mask, rows, None, rows)
 
 
-def _extend_group(members: list[_Seq], batch: ForwardBatch, device: torch.device, dtype: torch.dtype) -> _Group:
+def _extend_group(
+    members: list[_Seq], batch: ForwardBatch, device: torch.device, dtype: torch.dtype, with_lse: bool
+) -> _Group:
     q_len = max(s[2] for s in members)
     kv_len = max(s[1] + s[2] for s in members)
+    slots = _padded_slots(members, kv_len, batch, device)
     if len(members) == 1:
         index, prefix, extend, _, q_start = members[0]
-        whole_batch = batch.num_seqs == 1
+        whole_batch = batch.num_seqs == 1 and not with_lse
         rows = None if whole_batch else torch.arange(q_start, q_start + extend, device=device)
-        if prefix == 0:
+        if prefix == 0 and not with_lse:
             mask = None
         else:
             allowed = (
                 torch.arange(kv_len, device=device)[None, :] <= torch.arange(extend, device=device)[:, None] + prefix
             )
             mask = _additive(allowed, dtype)
-        return _Group(1, q_len, kv_len, _padded_slots(members, kv_len, batch, device), mask, rows, None, rows)
+        return _Group(1, q_len, kv_len, False, with_lse, slots, mask, rows, None, rows)
     prefix_lens = torch.tensor([s[1] for s in members], device=device)
     extend_lens = torch.tensor([s[2] for s in members], device=device)
     q_starts = torch.tensor([s[4] for s in members], device=device)
@@ -207,7 +272,9 @@ def _extend_group(members: list[_Seq], batch: ForwardBatch, device: torch.device
         num_seqs=len(members),
         q_len=q_len,
         kv_len=kv_len,
-        kv_slots=_padded_slots(members, kv_len, batch, device),
+        is_decode=False,
+        with_lse=with_lse,
+        kv_slots=slots,
         mask=_additive(allowed[:, None], dtype),
         q_rows=q_rows,
         valid=valid,
