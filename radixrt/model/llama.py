@@ -3,15 +3,16 @@
 transformers only supplies configs and weights; this module runs them.
 Every layer is a handful of large tensor ops over all new tokens of the batch
 (no per-token Python): one fused q/k/v matmul, one rotary application to q and
-k together, the attention backend, one fused gate/up matmul. On a CPU, decode
-is bound by per-op overhead, so layers call `F.*` functions on their weights
-directly instead of going through `nn.Linear` modules.
+k together, the attention backend, one fused gate/up matmul. Projections are
+plain callables over the weights (`radixrt.model.linear`), not `nn.Linear`
+modules: no module dispatch per op, and `prepack()` can swap in a faster
+matmul once the weights are loaded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from torch import nn
 
 from radixrt.kernels.base import AttentionBackend
 from radixrt.model.config import ModelConfig
+from radixrt.model import linear
 from radixrt.model.forward_batch import ForwardBatch
 from radixrt.model.rope import RotaryEmbedding
 
@@ -48,6 +50,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_norm = _weight(hidden, device=device, dtype=dtype)
         self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, device=device, dtype=dtype)
         self.down_proj = _weight(hidden, config.intermediate_size, device=device, dtype=dtype)
+        self._bind_linears(linear.plain)
+
+    def _bind_linears(self, make: Callable[..., linear.Linear]) -> None:
+        self.qkv = make(self.qkv_proj, self.qkv_bias)
+        self.o = make(self.o_proj, self.o_bias)
+        self.gate_up = make(self.gate_up_proj)
+        self.down = make(self.down_proj)
+
+    def prepack(self) -> None:
+        """Reorder the loaded weights for the platform's matmul (see `radixrt.model.linear`)."""
+        self._bind_linears(linear.pack)
 
     def forward(
         self,
@@ -63,7 +76,7 @@ class LlamaDecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         norm_shape = (config.hidden_size,)
         x = F.rms_norm(hidden, norm_shape, self.input_norm, config.rms_norm_eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias).view(num_tokens, -1, config.head_dim)
+        qkv = self.qkv(x).view(num_tokens, -1, config.head_dim)
         num_qk_heads = config.num_heads + config.num_kv_heads
         qk = rope.apply(qkv[:, :num_qk_heads], cos, signed_sin)
         # Strided views (head_dim stride 1), not copies: every backend takes row/head strides.
@@ -71,10 +84,10 @@ class LlamaDecoderLayer(nn.Module):
         k = qk[:, config.num_heads :]
         v = qkv[:, num_qk_heads:]
         attn = backend.forward(q, k, v, self.index, batch, plan)
-        hidden = hidden + F.linear(attn.reshape(num_tokens, -1), self.o_proj, self.o_bias)
+        hidden = hidden + self.o(attn.reshape(num_tokens, -1))
         x = F.rms_norm(hidden, norm_shape, self.post_attention_norm, config.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -96,6 +109,13 @@ class LlamaForCausalLM(nn.Module):
             else _weight(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         )
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
+        self._lm_head = linear.plain(self.lm_head)
+
+    def prepack(self) -> None:
+        """Call once the weights are loaded: faster projections, identical results."""
+        for layer in self.layers:
+            layer.prepack()
+        self._lm_head = linear.pack(self.lm_head)
 
     @property
     def device(self) -> torch.device:
@@ -125,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab_size] for N rows of `forward`'s output."""
-        return F.linear(hidden_rows, self.lm_head).float()
+        return self._lm_head(hidden_rows).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -169,6 +169,7 @@ def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dty
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = LlamaForCausalLM(config, device=device, dtype=dtype)
     model.load_hf_state_dict(weights)
+    model.prepack()
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, hf_config=hf_config, path=folder)
 
 
