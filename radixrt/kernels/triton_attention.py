@@ -38,6 +38,40 @@ DECODE_BLOCK_N = 64
 
 
 @triton.jit
+def _attend_pool_tile(
+    q, m_i, l_i, acc, n0, end,
+    K_cache, V_cache, kv_indices, kv_start, kv_head,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    offs_d, mask_d, qk_scale_log2,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold the pool keys at slot-list positions [n0, min(n0 + BLOCK_N, end)) into
+    the online softmax (m_i, l_i, acc) of the query rows `q`; every row sees every
+    key (decode splits and an extend's cached prefix)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    slots = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+    k = tl.load(
+        K_cache + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
+        mask=mask_n[None, :] & mask_d[:, None],
+        other=0.0,
+    )
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    v = tl.load(
+        V_cache + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q, K_cache, V_cache, kv_indices,
     q_rows, kv_starts, seq_lens,
@@ -83,27 +117,10 @@ def _decode_partial_kernel(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         for n0 in range(split_start, split_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < split_end
-            slots = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(
-                K_cache + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None],
-                other=0.0,
+            m_i, l_i, acc = _attend_pool_tile(
+                q, m_i, l_i, acc, n0, split_end, K_cache, V_cache, kv_indices, kv_start, kv_head,
+                stride_ks, stride_kh, stride_vs, stride_vh, offs_d, mask_d, qk_scale_log2, BLOCK_N, DOT_PRECISION,
             )
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            v = tl.load(
-                V_cache + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
         tl.store(
             Mid_O + seq * stride_mo_n + q_heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
             acc / l_i[:, None],
@@ -189,27 +206,10 @@ def _extend_kernel(
 
         # Phase 1: the cached prefix, gathered from the pool; every query sees all of it.
         for n0 in range(0, prefix_len, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < prefix_len
-            slots = tl.load(kv_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(
-                K_cache + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None],
-                other=0.0,
+            m_i, l_i, acc = _attend_pool_tile(
+                q, m_i, l_i, acc, n0, prefix_len, K_cache, V_cache, kv_indices, kv_start, kv_head,
+                stride_ks, stride_kh, stride_vs, stride_vh, offs_d, mask_d, qk_scale_log2, BLOCK_N, DOT_PRECISION,
             )
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            v = tl.load(
-                V_cache + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
 
         # Phase 2: this step's new tokens, causal; keys past this block's last
         # query are never visible, so the loop stops there.
