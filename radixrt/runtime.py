@@ -17,7 +17,6 @@ import weakref
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from radixrt.config import RuntimeConfig
-from radixrt.engine.cache_manager import CacheManager
 from radixrt.engine.engine import Engine
 from radixrt.engine.request import Request, RequestOutput
 from radixrt.runtime_setup import build_engine

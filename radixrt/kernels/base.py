@@ -23,6 +23,17 @@ class AttentionBackend(ABC):
     name: str = ""
 
     def __init__(self, kv_cache: KVCache, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 1):
+        if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if (num_kv_heads, head_dim) != (kv_cache.shape.num_kv_heads, kv_cache.shape.head_dim):
+            raise ValueError(
+                f"num_kv_heads/head_dim ({num_kv_heads}, {head_dim}) must match the KV cache "
+                f"({kv_cache.shape.num_kv_heads}, {kv_cache.shape.head_dim})"
+            )
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.kv_cache = kv_cache
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads

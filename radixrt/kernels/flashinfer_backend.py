@@ -105,7 +105,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ):
         super().__init__(kv_cache, num_q_heads, num_kv_heads, head_dim, page_size)
-        _check_config(kv_cache, num_q_heads, num_kv_heads, head_dim, page_size)
+        if kv_cache.shape.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"kv_cache dtype must be one of {SUPPORTED_DTYPES}, got {kv_cache.shape.dtype}")
         try:
             import flashinfer
         except ImportError as error:
@@ -181,17 +182,3 @@ def _token_rows(batch: ForwardBatch, seq_ids: Sequence[int]) -> torch.Tensor:
     qo_indptr = batch.qo_indptr.tolist()
     rows = torch.cat([torch.arange(qo_indptr[i], qo_indptr[i + 1]) for i in seq_ids])
     return rows.to(batch.kv_indices.device, non_blocking=True)
-
-
-def _check_config(kv_cache: KVCache, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-    if num_kv_heads != kv_cache.shape.num_kv_heads or head_dim != kv_cache.shape.head_dim:
-        raise ValueError(
-            f"num_kv_heads/head_dim ({num_kv_heads}, {head_dim}) must match the KV cache "
-            f"({kv_cache.shape.num_kv_heads}, {kv_cache.shape.head_dim})"
-        )
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if kv_cache.shape.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"kv_cache dtype must be one of {SUPPORTED_DTYPES}, got {kv_cache.shape.dtype}")
