@@ -135,9 +135,8 @@ def fold_heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     group = num_q_heads // num_kv_heads
-    return (
-        q.view(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
-    )
+    folded = q.view(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    return folded.reshape(batch, num_kv_heads, -1, head_dim)
 
 
 def unfold_heads(out: torch.Tensor, lse: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:

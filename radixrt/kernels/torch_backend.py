@@ -92,10 +92,7 @@ class TorchAttentionBackend(AttentionBackend):
         # After a shared prefix of length L, a sequence is a shorter one: prefix p - L, slots from L on.
         tails = [(i, p - skip[i], e, kv + skip[i], q) for i, p, e, kv, q in seqs if i in skip]
         groups = self._groups(plain, batch, with_lse=False) + self._groups(tails, batch, with_lse=True)
-        cascades = tuple(
-            _Cascade(prefix, torch.cat([torch.arange(q_starts[i], q_starts[i] + batch.extend_lens[i]) for i in prefix.members]).to(device))
-            for prefix in shared
-        )
+        cascades = tuple(_Cascade(prefix, _rows_of(prefix.members, batch, device)) for prefix in shared)
         return TorchAttentionPlan(tuple(groups), cascades)
 
     def _groups(self, seqs: list["_Seq"], batch: ForwardBatch, with_lse: bool) -> list[_Group]:
@@ -129,18 +126,26 @@ class TorchAttentionBackend(AttentionBackend):
                 tail_out.index_copy_(0, group.out_rows, rows)
                 tail_lse.index_copy_(0, group.out_rows, lse)
                 continue
-            rows = self._decode(q, k_group, v_group, group) if group.is_decode else self._extend(q, k_group, v_group, group)
+            attend = self._decode if group.is_decode else self._extend
+            rows = attend(q, k_group, v_group, group)
             if out is None:  # the only group, covering every row in order
                 return rows
             out.index_copy_(0, group.out_rows, rows)
         assert out is not None
         for cascade in plan.cascades:
-            q_rows = fold_heads(q.index_select(0, cascade.rows).unsqueeze(0), self.num_kv_heads)
-            keys, values = prefix_keys(k_pool, cascade.prefix), prefix_keys(v_pool, cascade.prefix)
-            prefix_out, prefix_lse = unfold_heads(*attention_with_lse(q_rows, keys, values, None, self.scale), q_len=cascade.rows.numel())
-            tail = merge(prefix_out, prefix_lse, tail_out.index_select(0, cascade.rows), tail_lse.index_select(0, cascade.rows))
-            out.index_copy_(0, cascade.rows, tail)
+            prefix_out, prefix_lse = self._shared_prefix(q, k_pool, v_pool, cascade)
+            rows = cascade.rows
+            out.index_copy_(0, rows, merge(prefix_out, prefix_lse, tail_out[rows], tail_lse[rows]))
         return out
+
+    def _shared_prefix(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cascade: _Cascade
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of a cascade's query rows against its shared prefix, in one call: [R, Hq, D], [R, Hq]."""
+        q_rows = fold_heads(q.index_select(0, cascade.rows).unsqueeze(0), self.num_kv_heads)
+        keys, values = prefix_keys(k_pool, cascade.prefix), prefix_keys(v_pool, cascade.prefix)
+        out, lse = attention_with_lse(q_rows, keys, values, None, self.scale)
+        return unfold_heads(out, lse, q_len=cascade.rows.numel())
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group) -> torch.Tensor:
         q_group = q if group.q_rows is None else q.index_select(0, group.q_rows)
@@ -190,6 +195,12 @@ def _pack(extend: list[_Seq]) -> list[list[_Seq]]:
                 continue
         groups.append([seq])
     return groups
+
+
+def _rows_of(seq_ids: tuple[int, ...], batch: ForwardBatch, device: torch.device) -> torch.Tensor:
+    """Rows of the batch's new tokens that belong to `seq_ids`, in that order."""
+    starts = batch.qo_indptr.tolist()
+    return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seq_ids]).to(device)
 
 
 def _padded_slots(members: list[_Seq], kv_len: int, batch: ForwardBatch, device: torch.device) -> torch.Tensor:
