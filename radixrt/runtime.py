@@ -166,7 +166,7 @@ class Runtime:
                 raise ValueError(f"logprob_start_len must be in [0, {len(ids)}), got {logprob_start_len}")
             base_seed = params.seed if params.seed is not None else random.getrandbits(62)
             for i in range(params.n):
-                req = Request(list(ids), params, namespace=namespace, logprob_start_len=logprob_start_len)
+                req = Request(ids, params, namespace=namespace, logprob_start_len=logprob_start_len)
                 req.seed = base_seed + i
                 self.engine.validate(req)
                 requests.append(req)

@@ -39,6 +39,7 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
         (lambda rt: rt.generate("hi", {"top_p": 1.5}), "top_p"),
         (lambda rt: rt.generate([5, 999999]), "vocabulary"),
         (lambda rt: rt.generate([5, -1]), "vocabulary"),
+        (lambda rt: rt.generate([5, 2**70]), "input_ids"),
         (lambda rt: rt.generate("hi", {"max_tokens": 5}), "max_tokens"),
         (lambda rt: rt.generate("hi", {"stop": 3}), "stop"),
         (lambda rt: rt.generate("hi", {"stop": ["ok", None]}), "stop"),

@@ -7,6 +7,8 @@ A request's KV slots, in token order:
               last_node (borrowed)       not yet in the tree            not yet written
 
 `fill_ids = prompt_ids + output_ids` are the tokens whose KV the request needs.
+Both are int64 `array`s: the radix tree reads an array's buffer in place,
+where a list would be converted token by token on every match and insert.
 A step computes `fill_ids[num_computed : num_computed + k]`; when it reaches
 the end of fill_ids the last logits give the next token. A decode is the case
 k = 1, a chunk of a long prompt is a k that stops short of the end, and a
@@ -18,6 +20,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -45,9 +48,13 @@ class RequestOutput:
     result: dict[str, Any] | None = None
 
 
+def _tokens() -> array:
+    return array("q")
+
+
 @dataclass(eq=False)
 class Request:
-    prompt_ids: list[int]
+    prompt_ids: array  # int64; a list given here is converted
     params: SamplingParams
     rid: str = ""
     namespace: Hashable = None
@@ -57,7 +64,7 @@ class Request:
     on_output: Callable[[RequestOutput], None] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: array = field(default_factory=_tokens)
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
@@ -77,14 +84,19 @@ class Request:
     finished_s: float | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prompt_ids, array) or self.prompt_ids.typecode != "q":
+            try:
+                self.prompt_ids = array("q", self.prompt_ids)
+            except (TypeError, OverflowError):
+                raise ValueError("input_ids: token ids must be ints in [0, 2**63)") from None
         if not self.rid:
             self.rid = f"req-{self.arrival_index}"
 
     @property
-    def fill_ids(self) -> list[int]:
+    def fill_ids(self) -> array:
         return self.prompt_ids + self.output_ids
 
-    def fill_slice(self, start: int, end: int) -> list[int]:
+    def fill_slice(self, start: int, end: int) -> array:
         """fill_ids[start:end] without building fill_ids (the per-step path)."""
         num_prompt = len(self.prompt_ids)
         if end <= num_prompt:
