@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixrt.kernels.registry import create_backend
 from radixrt.kernels.torch_backend import TorchAttentionBackend
@@ -197,3 +199,53 @@ def test_short_shared_prefixes_are_attended_per_sequence():
     cache, batch, q, k, v = make_shared_case(16, [(16, 1), (20, 1)], 1, 4, 4, 64)
     backend = TorchAttentionBackend(cache, 4, 4, 64, 1)
     assert backend.plan(batch).cascades == ()
+
+
+def make_multi_shared_case(groups, page_size, num_q_heads, num_kv_heads, head_dim, seed):
+    """groups: [(shared_len, [(private_prefix_len, extend_len), ...]), ...]; each group's
+    sequences start with the same shared slots (whole pages), then pages of their own."""
+    generator = torch.Generator().manual_seed(seed)
+    pages = lambda n: -(-n // page_size)
+    num_pages = sum(pages(shared) + sum(pages(p + e) for p, e in members) for shared, members in groups) + 1
+    order = iter(torch.randperm(num_pages, generator=generator).tolist())
+    take = lambda n: torch.cat([torch.arange(page_size) + next(order) * page_size for _ in range(pages(n))])[:n]
+    kv_slots, specs = [], []
+    for shared_len, members in groups:
+        shared = take(shared_len)
+        for private, extend in members:
+            kv_slots.append(torch.cat([shared, take(private + extend)]))
+            specs.append((shared_len + private, extend))
+    cache = KVCache(KVShape(1, num_kv_heads, head_dim, torch.float32), num_pages * page_size)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=generator))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=generator))
+    batch = ForwardBatch.build([[0] * e for _, e in specs], [p for p, _ in specs], kv_slots)
+    q, k, v = (
+        torch.randn(batch.num_tokens, h, head_dim, generator=generator)
+        for h in (num_q_heads, num_kv_heads, num_kv_heads)
+    )
+    return cache, batch, q, k, v
+
+
+member = st.tuples(st.integers(0, 40), st.one_of(st.just(1), st.integers(1, 24)))
+group = st.tuples(st.integers(1, 6), st.lists(member, min_size=1, max_size=4))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.lists(group, min_size=1, max_size=3),
+    page_size=st.sampled_from([1, 4]),
+    heads=st.sampled_from([(4, 4), (6, 2), (8, 1)]),
+    seed=st.integers(0, 2**16),
+)
+def test_any_mix_of_shared_prefixes_matches_reference(groups, page_size, heads, seed):
+    """Several shared prefixes in one batch, of any size, mixed decodes and extends."""
+    groups = [(pages * page_size * 4, members) for pages, members in groups]
+    num_q_heads, num_kv_heads = heads
+    cache, batch, q, k, v = make_multi_shared_case(groups, page_size, num_q_heads, num_kv_heads, 64, seed)
+    backend = TorchAttentionBackend(cache, num_q_heads, num_kv_heads, 64, page_size)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("radixrt.kernels.shared_prefix.MIN_SHARED_PREFIX", 4)
+        plan = backend.plan(batch)
+    assert len(plan.cascades) == sum(len(members) > 1 for _, members in groups)
+    expected = reference(cache, batch, q, k, v, layer=0)
+    torch.testing.assert_close(backend.forward(q, k, v, 0, batch, plan), expected, atol=1e-5, rtol=1e-5)
