@@ -51,14 +51,24 @@ def town_fact(rng: random.Random) -> str:
     ])
 
 
-def few_shot_example(rng: random.Random, num_sentences: int) -> str:
-    """One solved example: a passage of town facts, a question about its first fact, the answer."""
+def founding_question(rng: random.Random, num_sentences: int) -> tuple[str, str, int]:
+    """A passage of `num_sentences` town facts and a question about who founded the town, and when.
+
+    Returns the text up to "Answer:", the founder and the year. Solved
+    examples and open questions are drawn alike, so the few-shot examples
+    teach exactly the format the questions ask for.
+    """
     town, year, founder = rng.choice(_TOWNS), rng.randint(1200, 1900), rng.choice(_PEOPLE)
     facts = [f"{town} was founded in {year} by {founder}, {rng.choice(_JOBS)}."]
     facts += [town_fact(rng) for _ in range(num_sentences - 1)]
     rng.shuffle(facts)
-    return (f"Passage: {' '.join(facts)}\nQuestion: Who founded {town}, and in which year?\n"
-            f"Answer: {founder}, in {year}.\n\n")
+    return f"Passage: {' '.join(facts)}\nQuestion: Who founded {town}, and in which year?\nAnswer:", founder, year
+
+
+def few_shot_example(rng: random.Random, num_sentences: int) -> str:
+    """One solved example: a passage of town facts, a question about its first fact, the answer."""
+    question, founder, year = founding_question(rng, num_sentences)
+    return f"{question} {founder}, in {year}.\n\n"
 
 
 def few_shot_prefix(rng: random.Random, count_tokens: Callable[[str], int], target_tokens: int,
@@ -78,11 +88,7 @@ def few_shot_prefix(rng: random.Random, count_tokens: Callable[[str], int], targ
 
 def few_shot_question(rng: random.Random, num_sentences: int = 2) -> str:
     """The variable part of a few-shot prompt: a short passage and its question, answer left open."""
-    town, year, founder = rng.choice(_TOWNS), rng.randint(1200, 1900), rng.choice(_PEOPLE)
-    facts = [f"{town} was founded in {year} by {founder}, {rng.choice(_JOBS)}."]
-    facts += [town_fact(rng) for _ in range(num_sentences - 1)]
-    rng.shuffle(facts)
-    return f"Passage: {' '.join(facts)}\nQuestion: Who founded {town}, and in which year?\nAnswer:"
+    return founding_question(rng, num_sentences)[0]
 
 
 def word_problem_fact(rng: random.Random) -> str:
