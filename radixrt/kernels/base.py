@@ -41,6 +41,11 @@ class AttentionBackend(ABC):
         self.page_size = page_size
         self.scale = head_dim**-0.5
 
+    def _require_kv_dtype(self, supported: tuple[torch.dtype, ...]) -> None:
+        """Reject a KV cache whose dtype this backend's kernels were not built for, at construction."""
+        if self.kv_cache.shape.dtype not in supported:
+            raise ValueError(f"kv_cache dtype must be one of {supported}, got {self.kv_cache.shape.dtype}")
+
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> Any:
         """Build this step's metadata once (index arrays, kernel plans)."""

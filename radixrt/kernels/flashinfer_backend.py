@@ -105,8 +105,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ):
         super().__init__(kv_cache, num_q_heads, num_kv_heads, head_dim, page_size)
-        if kv_cache.shape.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"kv_cache dtype must be one of {SUPPORTED_DTYPES}, got {kv_cache.shape.dtype}")
+        self._require_kv_dtype(SUPPORTED_DTYPES)
         try:
             import flashinfer
         except ImportError as error:
@@ -128,8 +127,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
 
     def plan(self, batch: ForwardBatch) -> FlashInferPlan:
-        decode_ids = [i for i, e in enumerate(batch.extend_lens) if e == 1]
-        extend_ids = [i for i, e in enumerate(batch.extend_lens) if e > 1]
+        decode_ids, extend_ids = batch.decode_and_extend_ids()
         mixed = bool(decode_ids) and bool(extend_ids)
         if extend_ids:
             table = build_page_table(batch, extend_ids, self.page_size)

@@ -69,8 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(kv_cache, num_q_heads, num_kv_heads, head_dim, page_size)
         if not 16 <= head_dim <= 256:
             raise ValueError(f"head_dim must be in [16, 256] (tl.dot needs 16), got {head_dim}")
-        if kv_cache.shape.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"kv_cache dtype must be one of {SUPPORTED_DTYPES}, got {kv_cache.shape.dtype}")
+        self._require_kv_dtype(SUPPORTED_DTYPES)
         try:
             from radixrt.kernels import triton_attention
         except ImportError as error:
@@ -79,8 +78,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._target_programs = 2 * _num_compute_units(kv_cache.device)
 
     def plan(self, batch: ForwardBatch) -> TritonPlan:
-        decode_ids = [i for i, e in enumerate(batch.extend_lens) if e == 1]
-        extend_ids = [i for i, e in enumerate(batch.extend_lens) if e > 1]
+        decode_ids, extend_ids = batch.decode_and_extend_ids()
         return TritonPlan(
             decode=self._plan_decode(batch, decode_ids) if decode_ids else None,
             extend=self._plan_extend(batch, extend_ids) if extend_ids else None,

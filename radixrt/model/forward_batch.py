@@ -91,6 +91,16 @@ class ForwardBatch:
     def is_decode_only(self) -> bool:
         return all(e == 1 for e in self.extend_lens)
 
+    def decode_and_extend_ids(self) -> tuple[list[int], list[int]]:
+        """Indices of the decode sequences (one new token) and of the extend ones (more).
+
+        The GPU backends send the two kinds to different kernels, so each
+        plans them apart.
+        """
+        decode_ids = [i for i, e in enumerate(self.extend_lens) if e == 1]
+        extend_ids = [i for i, e in enumerate(self.extend_lens) if e > 1]
+        return decode_ids, extend_ids
+
     @property
     def last_token_rows(self) -> torch.Tensor:
         """Row of each sequence's last new token in the flattened new tokens."""
