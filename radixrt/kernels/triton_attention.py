@@ -38,6 +38,24 @@ DECODE_BLOCK_N = 64
 
 
 @triton.jit
+def _online_softmax_step(
+    q, k, v, visible, m_i, l_i, acc, qk_scale_log2, DOT_PRECISION: tl.constexpr,
+):
+    """Fold one tile of keys `k` ([D, N]) and values `v` ([N, D]) into the online
+    softmax (m_i, l_i, acc) of the query rows `q`; `visible` ([rows or 1, N]) masks
+    the scores. The one copy of the flash-attention update, so that the pool tiles
+    and the extend kernel's causal new-token tiles cannot drift apart."""
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_pool_tile(
     q, m_i, l_i, acc, n0, end,
     K_cache, V_cache, kv_indices, kv_start, kv_head,
@@ -56,19 +74,12 @@ def _attend_pool_tile(
         mask=mask_n[None, :] & mask_d[:, None],
         other=0.0,
     )
-    qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
-    qk = tl.where(mask_n[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
     v = tl.load(
         V_cache + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
         mask=mask_n[:, None] & mask_d[None, :],
         other=0.0,
     )
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return _online_softmax_step(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale_log2, DOT_PRECISION)
 
 
 @triton.jit
@@ -222,20 +233,13 @@ def _extend_kernel(
                 mask=mask_n[None, :] & mask_d[:, None],
                 other=0.0,
             )
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
-            visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
             v = tl.load(
                 V_new + (q_start + offs_n)[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
                 mask=mask_n[:, None] & mask_d[None, :],
                 other=0.0,
             )
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale_log2, DOT_PRECISION)
 
         tl.store(
             Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
