@@ -148,8 +148,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                 q_data_type=self.dtype, kv_data_type=self.dtype,
             )
         return FlashInferPlan(
-            extend_rows=_token_rows(batch, extend_ids) if mixed else None,
-            decode_rows=_token_rows(batch, decode_ids) if mixed else None,
+            extend_rows=batch.token_rows(extend_ids, batch.kv_indices.device) if mixed else None,
+            decode_rows=batch.token_rows(decode_ids, batch.kv_indices.device) if mixed else None,
             has_extend=bool(extend_ids),
             has_decode=bool(decode_ids),
         )
@@ -174,9 +174,3 @@ class FlashInferAttentionBackend(AttentionBackend):
             out[plan.decode_rows] = self._decode.run(q_in[plan.decode_rows], paged_kv)
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
-
-def _token_rows(batch: ForwardBatch, seq_ids: Sequence[int]) -> torch.Tensor:
-    """Rows of q (this step's new tokens) that belong to the sequences `seq_ids`, on the device."""
-    qo_indptr = batch.qo_indptr.tolist()
-    rows = torch.cat([torch.arange(qo_indptr[i], qo_indptr[i + 1]) for i in seq_ids])
-    return rows.to(batch.kv_indices.device, non_blocking=True)

@@ -26,7 +26,7 @@ the two halves are merged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -55,13 +55,16 @@ class _Group:
     num_seqs: int
     q_len: int
     kv_len: int
-    is_decode: bool
     with_lse: bool  # the keys after a shared prefix: the result is merged later
     kv_slots: torch.Tensor  # [num_seqs * kv_len] pool slots, padded
-    mask: torch.Tensor | None  # additive, broadcastable to the SDPA scores; None: causal, unpadded
+    mask: torch.Tensor | None  # additive, broadcastable to the scores (rows folded when with_lse); None: causal
     q_rows: torch.Tensor | None  # [num_seqs * q_len] rows of the batch's new tokens; None: all, in order
     valid: torch.Tensor | None  # [num real tokens] positions in the padded rows; None: no padding
     out_rows: torch.Tensor | None  # [num real tokens] where the group's output rows go; None: all, in order
+
+    @property
+    def is_decode(self) -> bool:
+        return self.q_len == 1  # an extend group's sequences have two or more new tokens
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
         # After a shared prefix of length L, a sequence is a shorter one: prefix p - L, slots from L on.
         tails = [(i, p - skip[i], e, kv + skip[i], q) for i, p, e, kv, q in seqs if i in skip]
         groups = self._groups(plain, batch, with_lse=False) + self._groups(tails, batch, with_lse=True)
-        cascades = tuple(_Cascade(prefix, _rows_of(prefix.members, batch, device)) for prefix in shared)
+        cascades = tuple(_Cascade(prefix, batch.token_rows(prefix.members, device)) for prefix in shared)
         return TorchAttentionPlan(tuple(groups), cascades)
 
     def _groups(self, seqs: list["_Seq"], batch: ForwardBatch, with_lse: bool) -> list[_Group]:
@@ -101,6 +104,9 @@ class TorchAttentionBackend(AttentionBackend):
         extend = sorted((s for s in seqs if s[2] > 1), key=lambda s: (s[1] + s[2], s[2]), reverse=True)
         groups = [_decode_group(decode, batch, device, dtype, with_lse)] if decode else []
         groups += [_extend_group(members, batch, device, dtype, with_lse) for members in _pack(extend)]
+        if with_lse:  # their queries are folded (see _partial): fold the masks' rows once, here
+            group_size = self.num_q_heads // self.num_kv_heads
+            groups = [_fold_mask_rows(g, group_size) for g in groups]
         return groups
 
     def forward(
@@ -169,9 +175,7 @@ class TorchAttentionBackend(AttentionBackend):
         """Attention over a group's keys with each row's log-sum-exp: [T, Hq, D], [T, Hq]."""
         assert group.q_rows is not None and group.mask is not None
         q_group = q.index_select(0, group.q_rows).view(group.num_seqs, group.q_len, self.num_q_heads, self.head_dim)
-        mask = group.mask.reshape(group.num_seqs, 1, group.q_len, group.kv_len)
-        mask = repeat_mask_rows(mask, self.num_q_heads // self.num_kv_heads)
-        out, lse = attention_with_lse(fold_heads(q_group, self.num_kv_heads), k, v, mask, self.scale)
+        out, lse = attention_with_lse(fold_heads(q_group, self.num_kv_heads), k, v, group.mask, self.scale)
         out, lse = unfold_heads(out, lse, group.q_len)
         if group.valid is None:
             return out, lse
@@ -197,12 +201,6 @@ def _pack(extend: list[_Seq]) -> list[list[_Seq]]:
     return groups
 
 
-def _rows_of(seq_ids: tuple[int, ...], batch: ForwardBatch, device: torch.device) -> torch.Tensor:
-    """Rows of the batch's new tokens that belong to `seq_ids`, in that order."""
-    starts = batch.qo_indptr.tolist()
-    return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seq_ids]).to(device)
-
-
 def _padded_slots(members: list[_Seq], kv_len: int, batch: ForwardBatch, device: torch.device) -> torch.Tensor:
     """[len(members) * kv_len] slots; past a sequence's end, its first slot (masked anyway)."""
     starts = torch.tensor([s[3] for s in members], device=device)
@@ -214,6 +212,13 @@ def _padded_slots(members: list[_Seq], kv_len: int, batch: ForwardBatch, device:
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _fold_mask_rows(group: _Group, group_size: int) -> _Group:
+    """The group with its mask as [B, 1, q_len * G, kv_len], for queries folded by `fold_heads`."""
+    assert group.mask is not None
+    mask = group.mask.reshape(group.num_seqs, 1, group.q_len, group.kv_len)
+    return replace(group, mask=repeat_mask_rows(mask, group_size))
 
 
 def _decode_group(
@@ -229,7 +234,7 @@ def _decode_group(
     whole_batch = len(members) == batch.num_seqs and not with_lse
     rows = None if whole_batch else torch.tensor([s[4] for s in members], device=device)
     slots = _padded_slots(members, kv_len, batch, device)
-    return _Group(len(members), 1, kv_len, True, with_lse, slots, mask, rows, None, rows)
+    return _Group(len(members), 1, kv_len, with_lse, slots, mask, rows, None, rows)
 
 
 def _extend_group(
@@ -249,7 +254,7 @@ def _extend_group(
                 torch.arange(kv_len, device=device)[None, :] <= torch.arange(extend, device=device)[:, None] + prefix
             )
             mask = _additive(allowed, dtype)
-        return _Group(1, q_len, kv_len, False, with_lse, slots, mask, rows, None, rows)
+        return _Group(1, q_len, kv_len, with_lse, slots, mask, rows, None, rows)
     prefix_lens = torch.tensor([s[1] for s in members], device=device)
     extend_lens = torch.tensor([s[2] for s in members], device=device)
     q_starts = torch.tensor([s[4] for s in members], device=device)
@@ -268,7 +273,6 @@ def _extend_group(
         num_seqs=len(members),
         q_len=q_len,
         kv_len=kv_len,
-        is_decode=False,
         with_lse=with_lse,
         kv_slots=slots,
         mask=_additive(allowed[:, None], dtype),

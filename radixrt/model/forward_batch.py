@@ -101,6 +101,12 @@ class ForwardBatch:
         extend_ids = [i for i, e in enumerate(self.extend_lens) if e > 1]
         return decode_ids, extend_ids
 
+    def token_rows(self, seq_ids: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """Rows of the new tokens (of q) that belong to the sequences `seq_ids`, in that order."""
+        starts = self.qo_indptr.tolist()
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seq_ids])
+        return rows.to(device, non_blocking=True)
+
     @property
     def last_token_rows(self) -> torch.Tensor:
         """Row of each sequence's last new token in the flattened new tokens."""
