@@ -97,7 +97,7 @@ class Runtime:
     # --- cache -------------------------------------------------------------------------
     def cache_stats(self) -> dict[str, float | int]:
         """Hit rate (cached prompt tokens / prompt tokens), tree and pool usage, evictions."""
-        return self._call(self._engine_stats)
+        return self._call(self.engine.stats)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix and reset the hit counters (the runtime must be idle)."""
@@ -195,18 +195,6 @@ class Runtime:
             raise value
         return value
 
-    def _engine_stats(self) -> dict[str, float | int]:
-        engine = self.engine
-        stats: dict[str, float | int] = {
-            "prompt_tokens": engine.prompt_tokens,
-            "cached_prompt_tokens": engine.cached_prompt_tokens,
-            "hit_rate": engine.cached_prompt_tokens / engine.prompt_tokens if engine.prompt_tokens else 0.0,
-            "computed_tokens": engine.num_computed_tokens,
-            "retracted_requests": engine.num_retracted,
-        }
-        stats.update(engine.cache.stats())
-        return stats
-
     def _post(self, action: str, payload: Any) -> None:
         with self._cv:
             if self._closed:
@@ -248,11 +236,10 @@ class Runtime:
     def _loop(self) -> None:
         """Apply posted actions, then step; the lock is never held during a step."""
         failure: BaseException | None = None
-        busy = False
         try:
             while True:
                 with self._cv:
-                    while not self._actions and not busy and not self._closed:
+                    while not self._actions and not self.engine.has_work and not self._closed:
                         self._cv.wait()
                     if self._closed:
                         break
@@ -261,7 +248,6 @@ class Runtime:
                     self._apply(action, payload)
                 if self.engine.has_work:
                     self.engine.step()
-                busy = self.engine.has_work
         except Exception as error:  # an engine bug: fail every request, keep the process alive
             logger.exception("engine step failed")
             failure = self._engine_error = error

@@ -103,6 +103,18 @@ class Engine:
         self.cache.flush()
         self.prompt_tokens = self.cached_prompt_tokens = 0
 
+    def stats(self) -> dict[str, float | int]:
+        """Prompt-token hit rate since start or the last flush, work done, and the cache's own stats."""
+        stats: dict[str, float | int] = {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "computed_tokens": self.num_computed_tokens,
+            "retracted_requests": self.num_retracted,
+        }
+        stats.update(self.cache.stats())
+        return stats
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
