@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        return _bench(args, rest)
+        return _bench(parser, args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -80,17 +80,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace, rest: list[str]) -> int:
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> int:
     """Run the suite; the global --model/--device/--dtype/--attention-backend/--page-size apply to it."""
     if args.disable_radix_cache:
         print("radixrt: bench runs radixrt with and without the cache; choose with --systems", file=sys.stderr)
         return 2
     from radixrt.benchmarks.suite import main as bench_main
 
-    given = {"--model": args.model, "--device": args.device, "--dtype": args.dtype,
-             "--attention-backend": args.attention_backend, "--page-size": args.page_size}
-    defaults = {"--model": None, "--device": "auto", "--dtype": "auto", "--attention-backend": "auto", "--page-size": 1}
-    forwarded = [item for option, value in given.items() if value != defaults[option] for item in (option, str(value))]
+    forwarded = []
+    for dest in ("model", "device", "dtype", "attention_backend", "page_size"):
+        value = getattr(args, dest)
+        if value != parser.get_default(dest):  # only what was given: the suite has its own defaults
+            forwarded += ["--" + dest.replace("_", "-"), str(value)]
     return bench_main(forwarded + rest)
 
 

@@ -48,10 +48,6 @@ class RequestOutput:
     result: dict[str, Any] | None = None
 
 
-def _tokens() -> array:
-    return array("q")
-
-
 @dataclass(eq=False)
 class Request:
     prompt_ids: array  # int64; a list given here is converted
@@ -64,7 +60,7 @@ class Request:
     on_output: Callable[[RequestOutput], None] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
-    output_ids: array = field(default_factory=_tokens)
+    output_ids: array = field(default_factory=lambda: array("q"))
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
