@@ -1,10 +1,9 @@
 """Linear projections, with weights prepacked for oneDNN on a CPU in bf16.
 
-CPU decode reads every weight once per step, and `F.linear` on a bf16
-weight lets oneDNN reorder it into its blocked layout on every call: a
-second pass over memory. Reordering once at load time makes the same
-oneDNN matmul ~1.5x faster for decode-sized batches (bench/model_bench.py)
-and gives bit-identical results, which `pack` checks before using it.
+CPU decode reads every weight once per step. Handing oneDNN a weight
+already reordered into its blocked layout, once at load time, makes the bf16
+matmul faster at decode-sized batches (docs/model.md has the timing) and
+gives bit-identical results, which `pack` checks before using it.
 fp32 is left on `F.linear` (MKL): the packed fp32 path rounds differently,
 and fp32 is the dtype our exactness tests compare against transformers.
 """
