@@ -10,8 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from radixrt.kernels import BACKEND_NAMES, DEFAULT_SHARED_PREFIX_MIN_TOKENS
+
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -38,6 +39,20 @@ class RuntimeConfig:
         max_new_tokens kept free for its future decode tokens when admitting
         new prompts; too low retracts more, too high admits fewer.
     check_invariants: check tree, pool and request bookkeeping after every step (tests).
+
+    Tuning (the defaults were measured on the CPU path; see docs/design.md):
+    new_token_reserve_clip: a request's remaining max_new_tokens count at most
+        this much toward the decode reserve (a 32k max_new_tokens would
+        otherwise block admission while most requests stop far earlier).
+    lpm_queue_limit: with more waiting requests than this, "lpm" orders them
+        first come first served: matching every one of them each step would
+        cost more than the order saves.
+    in_batch_share_min_tokens: a waiting request that shares at least this
+        many uncached tokens with a prompt being computed waits one step and
+        then hits them in the cache instead of computing them again.
+    shared_prefix_min_tokens: sequences of a step that share at least this
+        many cached tokens attend them in one call (torch backend), merged
+        exactly with their own tails; below it the split costs more than it saves.
     """
 
     device: str = "auto"
@@ -54,6 +69,10 @@ class RuntimeConfig:
     max_prefill_tokens: int = 8192
     new_token_reserve_ratio: float = 0.3
     check_invariants: bool = False
+    new_token_reserve_clip: int = 4096
+    lpm_queue_limit: int = 128
+    in_batch_share_min_tokens: int = 32
+    shared_prefix_min_tokens: int = DEFAULT_SHARED_PREFIX_MIN_TOKENS
 
     def __post_init__(self) -> None:
         _require_int("page_size", self.page_size, 1)
@@ -63,16 +82,18 @@ class RuntimeConfig:
         _require_int("chunked_prefill_size", self.chunked_prefill_size, 1)
         _require_int("max_running_requests", self.max_running_requests, 1)
         _require_int("max_prefill_tokens", self.max_prefill_tokens, 1)
+        _require_int("new_token_reserve_clip", self.new_token_reserve_clip, 0)
+        _require_int("lpm_queue_limit", self.lpm_queue_limit, 0)
+        _require_int("in_batch_share_min_tokens", self.in_batch_share_min_tokens, 1)
+        _require_int("shared_prefix_min_tokens", self.shared_prefix_min_tokens, 1)
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
         if not 0.0 <= self.new_token_reserve_ratio <= 1.0:
             raise ValueError(f"new_token_reserve_ratio must be in [0, 1], got {self.new_token_reserve_ratio!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
-            )
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}")
         if not (self.device in DEVICES or str(self.device).startswith("cuda:")):
             raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
 

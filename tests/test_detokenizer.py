@@ -8,13 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixrt.engine.detokenizer import (
-    IncrementalDetokenizer,
-    OutputText,
-    StopStringMatcher,
-    abort_reason,
-    token_finish_reason,
-)
+from radixrt.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from radixrt.engine.request import FinishReason, OutputText, token_finish_reason
 from radixrt.sampling import SamplingParams
 
 TEXT = "Hello 😀 世界 naïve — 🇫🇷 done. Ünïcödé ∑ 𝔘 end"
@@ -124,29 +119,33 @@ def test_matcher_rejects_bad_stops():
 def test_token_finish_reason():
     params = SamplingParams(max_new_tokens=3, stop_token_ids=[7])
     assert token_finish_reason(params, 5, 1, {EOS}) is None
-    assert token_finish_reason(params, EOS, 1, {EOS}) == {"type": "stop", "matched": EOS}
-    assert token_finish_reason(params, 7, 3, {EOS}) == {"type": "stop", "matched": 7}
-    assert token_finish_reason(params, 5, 3, {EOS}) == {"type": "length", "length": 3}
+    assert token_finish_reason(params, EOS, 1, {EOS}).to_dict() == {"type": "stop", "matched": EOS}
+    assert token_finish_reason(params, 7, 3, {EOS}).to_dict() == {"type": "stop", "matched": 7}
+    assert token_finish_reason(params, 5, 3, {EOS}).to_dict() == {"type": "length", "length": 3}
     ignoring = SamplingParams(ignore_eos=True)
     assert token_finish_reason(ignoring, EOS, 1, {EOS}) is None
-    assert abort_reason("client went away") == {"type": "abort", "message": "client went away"}
+    assert FinishReason.abort("client went away").to_dict() == {"type": "abort", "message": "client went away"}
 
 
-def run(text: OutputText, ids: list[int], eos=(EOS,)) -> tuple[list[str], dict | None, int]:
-    """Feed tokens until the request finishes: (streamed deltas, finish reason, tokens consumed)."""
+def output_text(tokenizer, params: SamplingParams, prompt_ids=None) -> OutputText:
+    return OutputText(tokenizer, params, prompt_ids, eos_token_ids={EOS})
+
+
+def run(text: OutputText, ids: list[int]) -> tuple[list[str], dict | None, int]:
+    """Feed tokens until the request finishes: (streamed deltas, finish reason as a dict, tokens consumed)."""
     deltas, reason = [], None
     for count, token in enumerate(ids, start=1):
-        reason = text.append(token, eos, count)
+        reason = text.append(token, count)
         deltas.append(text.take_delta())
         if reason is not None:
             break
     deltas.append(text.take_delta(final=True))
-    return deltas, reason, count
+    return deltas, reason.to_dict() if reason is not None else None, count
 
 
 def test_stop_string_across_tokens_ends_the_request(tokenizer):
     ids = tokenizer.encode("Sure. Answer: 42\nQuestion: next")
-    text = OutputText(tokenizer, SamplingParams(stop=["\nQuestion"]), tokenizer.encode("Q:"))
+    text = output_text(tokenizer, SamplingParams(stop=["\nQuestion"]), tokenizer.encode("Q:"))
     deltas, reason, consumed = run(text, ids)
     assert reason == {"type": "stop", "matched": "\nQuestion"}
     assert "".join(deltas) == text.final_text() == "Sure. Answer: 42"
@@ -155,27 +154,27 @@ def test_stop_string_across_tokens_ends_the_request(tokenizer):
 
 def test_eos_finishes_without_text_and_ignore_eos_continues(tokenizer):
     ids = tokenizer.encode("done") + [EOS] + tokenizer.encode(" more")
-    text = OutputText(tokenizer, SamplingParams())
+    text = output_text(tokenizer, SamplingParams())
     deltas, reason, consumed = run(text, ids)
     assert reason == {"type": "stop", "matched": EOS} and consumed == len(tokenizer.encode("done")) + 1
     assert "".join(deltas) == text.final_text() == "done"
-    text = OutputText(tokenizer, SamplingParams(ignore_eos=True, max_new_tokens=len(ids)))
+    text = output_text(tokenizer, SamplingParams(ignore_eos=True, max_new_tokens=len(ids)))
     deltas, reason, consumed = run(text, ids)
     assert reason == {"type": "length", "length": len(ids)} and text.final_text() == "done more"
 
 
 def test_length_finish_releases_held_text(tokenizer):
     ids = tokenizer.encode("ab\nQ")
-    text = OutputText(tokenizer, SamplingParams(max_new_tokens=len(ids), stop="\nQ:"))
+    text = output_text(tokenizer, SamplingParams(max_new_tokens=len(ids), stop="\nQ:"))
     deltas, reason, _ = run(text, ids)
     assert reason == {"type": "length", "length": len(ids)} and "".join(deltas) == text.final_text() == "ab\nQ"
 
 
 def test_append_after_finish_is_an_error(tokenizer):
-    text = OutputText(tokenizer, SamplingParams())
-    assert text.append(EOS, {EOS}, 1) is not None
+    text = output_text(tokenizer, SamplingParams())
+    assert text.append(EOS, 1) is not None
     with pytest.raises(ValueError, match="finished"):
-        text.append(5, {EOS}, 2)
+        text.append(5, 2)
 
 
 def first_stop_cut(text: str, stops: list[str]) -> tuple[str, str | None]:
@@ -201,7 +200,7 @@ def test_streamed_text_is_the_truncated_full_decode(tokenizer, ids, stops, stop_
     params = SamplingParams(
         stop=stops, stop_token_ids=stop_token_ids, skip_special_tokens=skip, max_new_tokens=len(ids)
     )
-    text = OutputText(tokenizer, params)
+    text = output_text(tokenizer, params)
     deltas, reason, consumed = run(text, ids)
     assert "".join(deltas) == text.final_text()
     fed = ids[:consumed]

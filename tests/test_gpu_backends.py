@@ -3,7 +3,7 @@
 On a GPU (marked `gpu`): both backends on mixed extend + decode batches over
 page sizes 1 and 16, bf16 and fp16, GQA ratios 1/3/4/8, head_dim 64 and 128,
 with every sequence's pages scattered over the pool. Every check also compares
-with the torch reference backend when it is importable.
+with the torch reference backend.
 
 On the CPU: the triton kernels under the Triton interpreter (in a subprocess,
 because TRITON_INTERPRET must be set before the kernels are decorated), and
@@ -26,13 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.kernels.torch_backend import TorchAttentionBackend
 from radixrt.memory.kv_cache import KVCache, KVShape
-from radixrt.model.forward_batch import ForwardBatch
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
-HAS_TORCH_BACKEND = importlib.util.find_spec("radixrt.kernels.torch_backend") is not None
 
 # (prefix_len, extend_len) per sequence: plain prefill, decodes (one of them a
 # one-token prompt, one long enough for several KV splits), an extend after a
@@ -128,13 +128,10 @@ def check_backend(backend_cls: type, case: Case, page_size: int, **kwargs: objec
     assert torch.equal(cache.v[case.layer][slots], case.v.to(cache.shape.dtype))
     tol = TOLERANCE[cache.shape.dtype]
     torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
-    if HAS_TORCH_BACKEND:
-        # The pool already holds this step's K/V; the torch backend stores the same values again.
-        from radixrt.kernels.torch_backend import TorchAttentionBackend
-
-        twin = TorchAttentionBackend(cache, case.num_q_heads, cache.shape.num_kv_heads, cache.shape.head_dim, page_size)
-        torch_out = twin.forward(case.q, case.k, case.v, case.layer, case.batch, twin.plan(case.batch))
-        torch.testing.assert_close(out.float(), torch_out.float(), atol=tol, rtol=tol)
+    # The pool already holds this step's K/V; the torch backend stores the same values again.
+    twin = TorchAttentionBackend(cache, case.num_q_heads, cache.shape.num_kv_heads, cache.shape.head_dim, page_size)
+    torch_out = twin.forward(case.q, case.k, case.v, case.layer, case.batch, twin.plan(case.batch))
+    torch.testing.assert_close(out.float(), torch_out.float(), atol=tol, rtol=tol)
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from radixrt.model.config import ModelConfig, RopeScaling
-from radixrt.model.forward_batch import ForwardBatch
+from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.llama import LlamaForCausalLM
 
 LLAMA3_ROPE = dict(

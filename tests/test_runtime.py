@@ -44,14 +44,14 @@ def prefix_workloads(vocab_size: int, seed: int = 0) -> list[list[list[int]]]:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("min_shared_prefix", [64, 1], ids=["cascade-from-64", "cascade-always"])
 def test_greedy_equals_transformers_with_cache_on_and_off(
-    tiny_llama_dir, tiny_llama_hf, hf_greedy, page_size, min_shared_prefix, monkeypatch
+    tiny_llama_dir, tiny_llama_hf, hf_greedy, page_size, min_shared_prefix
 ):
     """Also with every shared slot prefix attended once for all its sequences (shared_prefix.py)."""
-    monkeypatch.setattr("radixrt.kernels.shared_prefix.MIN_SHARED_PREFIX", min_shared_prefix)
     vocab = tiny_llama_hf.config.vocab_size
     batches = prefix_workloads(vocab)
-    with runtime(tiny_llama_dir, page_size=page_size) as cached, runtime(
-        tiny_llama_dir, page_size=page_size, disable_radix_cache=True
+    options = {"page_size": page_size, "shared_prefix_min_tokens": min_shared_prefix}
+    with runtime(tiny_llama_dir, **options) as cached, runtime(
+        tiny_llama_dir, disable_radix_cache=True, **options
     ) as uncached:
         for prompts in batches:
             expected = hf_greedy(tiny_llama_hf, prompts, MAX_NEW)

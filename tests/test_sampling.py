@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from radixrt.sampling import SampleOutput, Sampler, SamplingParams, apply_penalties, uniform_for
+from radixrt.sampling import SamplingParams
+from radixrt.sampling.sampler import SampleOutput, Sampler, apply_penalties, uniform_for
 
 SAMPLER = Sampler()
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 
 from radixrt.config import RuntimeConfig
-from radixrt.engine.cache_manager import CacheManager
+from radixrt.engine.cache_manager import NoPrefixCache
+from radixrt.engine.logits import NextToken
+from radixrt.engine.radix_cache import RadixCacheManager
 from radixrt.engine.request import Request, RequestStatus
-from radixrt.engine.scheduler import Scheduler, common_prefix_length
+from radixrt.engine.scheduler import ScheduledBatch, Scheduler, common_prefix_length
 from radixrt.memory import PagePool
 from radixrt.sampling import SamplingParams
 
 
 def make_scheduler(num_tokens: int = 4096, page_size: int = 1, **config) -> Scheduler:
-    cache = CacheManager(PagePool(num_tokens // page_size, page_size))
+    cache = RadixCacheManager(PagePool(num_tokens // page_size, page_size))
     return Scheduler(cache, RuntimeConfig(page_size=page_size, **config))
 
 
@@ -21,21 +23,16 @@ def request(tokens: list[int], max_new_tokens: int = 4) -> Request:
     return Request(list(tokens), SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
 
 
+def sevens(batch: ScheduledBatch) -> list[NextToken | None]:
+    """Token 7 for every request that completes its pending tokens in this step."""
+    return [NextToken(7, 0.0) if r.num_computed + num == r.fill_len else None for r, num in batch.items]
+
+
 def fake_step(scheduler: Scheduler) -> list[tuple[Request, int]]:
-    """Do what the engine does after a forward, with token 7 as every sampled token."""
+    """A step without a model: everything scheduled is 'computed' and 7 is every sampled token."""
     batch = scheduler.schedule()
-    for req, num in batch.items:
-        just_admitted = req.num_computed == req.cached_len
-        req.num_computed += num
-        if req.num_pending > 0:
-            scheduler.cache.cache_computed(req)
-            continue
-        req.output_ids.append(7)
-        if len(req.output_ids) >= req.params.max_new_tokens:
-            scheduler.finish(req)
-        elif num > 1 or just_admitted:
-            scheduler.cache.cache_computed(req)
-    scheduler.cache.check_invariants(scheduler.running)
+    scheduler.postprocess(batch, sevens(batch))
+    scheduler.check_invariants()
     return batch.items
 
 
@@ -82,7 +79,7 @@ def test_dfs_weight_groups_requests_of_the_heaviest_prefix():
     scheduler.add(lone)
     for req in group:
         scheduler.add(req)
-    order = scheduler._order(scheduler.waiting)
+    order = scheduler.order_waiting()
     assert order[:3] == group and order[3] is lone
 
 
@@ -95,10 +92,7 @@ def test_shared_uncached_prefix_is_computed_once():
     first = scheduler.schedule()
     assert [r for r, _ in first.items] == [reqs[0]], "the others wait for the shared prefix"
     # Finish that step, then the others find the prefix in the tree.
-    for req, num in first.items:
-        req.num_computed += num
-        req.output_ids.append(7)
-        scheduler.cache.cache_computed(req)
+    scheduler.postprocess(first, sevens(first))
     computed = run_all(scheduler)
     assert all(r.cached_tokens == len(shared) for r in reqs[1:])
     # After the first prompt's 203 tokens: 3 new prompt tokens for each other
@@ -108,7 +102,7 @@ def test_shared_uncached_prefix_is_computed_once():
 
 def test_without_radix_cache_every_prompt_is_computed():
     reqs = [request(list(range(1000, 1200)) + [i]) for i in range(3)]
-    cache = CacheManager(PagePool(4096, 1), enable_radix_cache=False)
+    cache = NoPrefixCache(PagePool(4096, 1))
     scheduler = Scheduler(cache, RuntimeConfig(disable_radix_cache=True))
     for req in reqs:
         scheduler.add(req)
@@ -152,12 +146,10 @@ def test_memory_pressure_retracts_fewest_outputs_longest_prompt_first():
     while not retracted:
         batch = scheduler.schedule()
         retracted = batch.retracted
-        for req, num in batch.items:
-            req.num_computed += num
-            req.output_ids.append(7)
+        scheduler.postprocess(batch, sevens(batch))
     assert retracted[0] is reqs[3], "same output count: the longest prompt goes first"
     assert retracted[0].status is RequestStatus.WAITING and retracted[0].slots.numel() == 0
-    scheduler.cache.check_invariants(scheduler.running)
+    scheduler.check_invariants()
 
 
 def test_common_prefix_length():

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from radixrt.kernels.registry import create_backend
 from radixrt.kernels.torch_backend import TorchAttentionBackend
 from radixrt.memory.kv_cache import KVCache, KVShape
-from radixrt.model.forward_batch import ForwardBatch
+from radixrt.kernels.forward_batch import ForwardBatch
 
 # (prefix_len, extend_len) per sequence; each layout exercises a different plan:
 BATCHES = {
@@ -164,11 +164,10 @@ SHARED = {
 @pytest.mark.parametrize("layout", list(SHARED))
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(4, 4, 64), (6, 2, 64)])
-def test_shared_prefix_attention_matches_reference(layout, page_size, num_q_heads, num_kv_heads, head_dim, monkeypatch):
-    monkeypatch.setattr("radixrt.kernels.shared_prefix.MIN_SHARED_PREFIX", 32)
+def test_shared_prefix_attention_matches_reference(layout, page_size, num_q_heads, num_kv_heads, head_dim):
     shared_len, specs = SHARED[layout]
     cache, batch, q, k, v = make_shared_case(shared_len, specs, page_size, num_q_heads, num_kv_heads, head_dim)
-    backend = TorchAttentionBackend(cache, num_q_heads, num_kv_heads, head_dim, page_size)
+    backend = TorchAttentionBackend(cache, num_q_heads, num_kv_heads, head_dim, page_size, shared_prefix_min_tokens=32)
     plan = backend.plan(batch)
     members = [i for i, s in enumerate(specs) if len(s) == 2]
     assert [c.prefix.members for c in plan.cascades] == [tuple(members)]
@@ -178,15 +177,14 @@ def test_shared_prefix_attention_matches_reference(layout, page_size, num_q_head
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_shared_prefix_in_bfloat16_reads_consecutive_slots_in_place(monkeypatch):
-    monkeypatch.setattr("radixrt.kernels.shared_prefix.MIN_SHARED_PREFIX", 32)
+def test_shared_prefix_in_bfloat16_reads_consecutive_slots_in_place():
     specs = [(64, 1), (64, 7), (75, 1)]
     cache, _, q, k, v = make_shared_case(64, specs, 1, 6, 2, 64, dtype=torch.bfloat16)
     # Rebuild the batch with the shared prefix in slots 0..63, as a fresh pool allocates them.
     own = iter(range(64, cache.num_slots))
     kv_slots = [torch.cat([torch.arange(64), torch.tensor([next(own) for _ in range(p + e - 64)])]) for p, e in specs]
     batch = ForwardBatch.build([[0] * e for _, e in specs], [p for p, _ in specs], kv_slots)
-    backend = TorchAttentionBackend(cache, 6, 2, 64, 1)
+    backend = TorchAttentionBackend(cache, 6, 2, 64, 1, shared_prefix_min_tokens=32)
     plan = backend.plan(batch)
     assert plan.cascades[0].prefix.contiguous_start == 0
     expected = reference(cache, batch, q, k, v, layer=1)
@@ -242,10 +240,8 @@ def test_any_mix_of_shared_prefixes_matches_reference(groups, page_size, heads, 
     groups = [(pages * page_size * 4, members) for pages, members in groups]
     num_q_heads, num_kv_heads = heads
     cache, batch, q, k, v = make_multi_shared_case(groups, page_size, num_q_heads, num_kv_heads, 64, seed)
-    backend = TorchAttentionBackend(cache, num_q_heads, num_kv_heads, 64, page_size)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("radixrt.kernels.shared_prefix.MIN_SHARED_PREFIX", 4)
-        plan = backend.plan(batch)
+    backend = TorchAttentionBackend(cache, num_q_heads, num_kv_heads, 64, page_size, shared_prefix_min_tokens=4)
+    plan = backend.plan(batch)
     assert len(plan.cascades) == sum(len(members) > 1 for _, members in groups)
     expected = reference(cache, batch, q, k, v, layer=0)
     torch.testing.assert_close(backend.forward(q, k, v, 0, batch, plan), expected, atol=1e-5, rtol=1e-5)

@@ -1,8 +1,8 @@
-r"""Token ids to streamed text: incremental detokenization, stop strings, finish reasons.
+r"""Token ids to streamed text: incremental detokenization and stop strings.
 
-One `OutputText` per request turns sampled tokens into the text a user may
-see so far. Two things are held back until they are decided (here with the
-stop string "\nQ:"):
+A request's `OutputText` (in `request.py`) chains the two pieces here to turn
+sampled tokens into the text a user may see so far. Two things are held back
+until they are decided (here with the stop string "\nQ:"):
 
     tokens:  "The" " answer" ":" " 42" "\n"  "\xf0\x9f" (half an emoji)
     text:    The answer: 42          \n      U+FFFD
@@ -11,18 +11,14 @@ stop string "\nQ:"):
                                      └ held by StopStringMatcher: may begin
                                        "\nQ:"; the next text decides
 
-The engine owns the token ids (output_ids includes a stop or EOS token); the
+The request owns the token ids (output_ids includes a stop or EOS token); the
 text never includes a stop token, a matched stop string, or anything after it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
-
-from radixrt.sampling import SamplingParams
-
-FinishReason = dict[str, Any]
 
 # Prompt tokens decoded in front of the output: tokenizers that drop the
 # leading space of the first token (SentencePiece) need a left context.
@@ -40,33 +36,6 @@ class TokenDecoder(Protocol):
     """The one tokenizer method the detokenizer needs (any transformers tokenizer has it)."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ..., **kwargs: Any) -> str: ...
-
-
-def stop_reason(matched: str | int) -> FinishReason:
-    return {"type": "stop", "matched": matched}
-
-
-def length_reason(length: int) -> FinishReason:
-    return {"type": "length", "length": length}
-
-
-def abort_reason(message: str) -> FinishReason:
-    return {"type": "abort", "message": message}
-
-
-def token_finish_reason(
-    params: SamplingParams, token_id: int, num_output_tokens: int, eos_token_ids: Collection[int]
-) -> FinishReason | None:
-    """Why a request ends with this new token, judged on the token alone (stop strings need the text).
-
-    `num_output_tokens` counts the new token. A stop token, or EOS unless
-    `ignore_eos`, wins over the length limit reached by the same token.
-    """
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
-        return stop_reason(token_id)
-    if num_output_tokens >= params.max_new_tokens:
-        return length_reason(params.max_new_tokens)
-    return None
 
 
 class IncrementalDetokenizer:
@@ -184,56 +153,3 @@ class StopStringMatcher:
             if text[-length:] in self._prefixes:
                 return length
         return 0
-
-
-class OutputText:
-    """The text side of one request: feed it each sampled token, take the streamable delta.
-
-    `append` returns the finish reason when the token ends the request
-    (stop token, EOS, stop string, max_new_tokens), else None. `take_delta`
-    returns the text released since the last call, `final_text` the whole
-    text once the request is over.
-    """
-
-    def __init__(self, tokenizer: TokenDecoder, params: SamplingParams, prompt_ids: Sequence[int] | None = None):
-        self._params = params
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self._stops = StopStringMatcher(params.stop)
-        self._delta: list[str] = []
-        self._closed = False
-
-    def append(self, token_id: int, eos_token_ids: Collection[int], num_output_tokens: int) -> FinishReason | None:
-        """Add the request's newest token (`num_output_tokens` counts it)."""
-        if self._closed:
-            raise ValueError("append after the request finished")
-        reason = token_finish_reason(self._params, token_id, num_output_tokens, eos_token_ids)
-        if reason is None or reason["type"] != "stop":  # stop tokens never reach the text
-            self._delta.append(self._stops.feed(self._detokenizer.append(token_id)))
-            if self._stops.matched is not None:
-                reason = stop_reason(self._stops.matched)
-        if reason is not None:
-            matched = self._close()
-            if matched is not None:
-                reason = stop_reason(matched)
-        return reason
-
-    def take_delta(self, final: bool = False) -> str:
-        """Text released since the last call; `final=True` first releases everything held back."""
-        if final:
-            self._close()
-        delta = "".join(self._delta)
-        self._delta.clear()
-        return delta
-
-    def final_text(self) -> str:
-        """The whole output text; ends the request's text (held-back text is released)."""
-        self._close()
-        return self._stops.text
-
-    def _close(self) -> str | None:
-        """Release held-back text; return the stop string that this completes, if any."""
-        if not self._closed:
-            self._closed = True
-            self._delta.append(self._stops.feed(self._detokenizer.flush()))
-            self._delta.append(self._stops.flush())
-        return self._stops.matched

@@ -1,4 +1,4 @@
-"""A request as the engine sees it: tokens, KV slots it holds, and its progress.
+"""A request as the engine sees it: tokens, the KV slots it holds, its progress and its output.
 
 A request's KV slots, in token order:
 
@@ -13,6 +13,25 @@ A step computes `fill_ids[num_computed : num_computed + k]`; when it reaches
 the end of fill_ids the last logits give the next token. A decode is the case
 k = 1, a chunk of a long prompt is a k that stops short of the end, and a
 retracted request simply starts over from whatever the tree still holds.
+
+Who writes which field (everyone else only reads):
+
+    field                                        written by
+    -------------------------------------------  ---------------------------------------------
+    prompt_ids, params, rid, namespace, seed,    the caller's thread, once, before submission
+      logprob_start_len, on_output
+    status, num_retractions                      Scheduler (which queue the request is in)
+    slots, cached_len, last_node, cached_tokens  CacheManager (admit, cache_computed, release)
+    num_computed                                 CacheManager on admit/release; Scheduler.postprocess
+                                                   as the step's tokens are computed
+    prompt_logprobs                              LogitPlan (prompt scoring), cleared on admit
+    output_ids, output_logprobs, finish_reason,  the request's own `append_token` / `finish`,
+      first_token_s, finished_s, the text          called by Scheduler.postprocess and abort
+
+The output side lives here too: `OutputText` turns sampled tokens into the
+text a caller may see so far and judges stop tokens and stop strings;
+`FinishReason` says why a request ended; `RequestOutput` is what a step
+reports to the caller, and `Request.result()` the final dict.
 """
 
 from __future__ import annotations
@@ -21,14 +40,127 @@ import enum
 import itertools
 import time
 from array import array
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Literal
 
 import torch
 
+from radixrt.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
 from radixrt.sampling import SamplingParams
 
 _request_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended. `to_dict()` is SGLang's `meta_info["finish_reason"]` shape."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: str | int | None = None  # stop: the stop string, or the stop/EOS token id
+    length: int | None = None  # length: the limit that was reached
+    message: str | None = None  # abort: why
+
+    @classmethod
+    def stop(cls, matched: str | int) -> FinishReason:
+        return cls("stop", matched=matched)
+
+    @classmethod
+    def at_length(cls, length: int) -> FinishReason:
+        return cls("length", length=length)
+
+    @classmethod
+    def abort(cls, message: str) -> FinishReason:
+        return cls("abort", message=message)
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message}
+
+
+def token_finish_reason(
+    params: SamplingParams, token_id: int, num_output_tokens: int, eos_token_ids: Collection[int]
+) -> FinishReason | None:
+    """Why a request ends with this new token, judged on the token alone (stop strings need the text).
+
+    `num_output_tokens` counts the new token. A stop token, or EOS unless
+    `ignore_eos`, wins over the length limit reached by the same token.
+    """
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return FinishReason.stop(token_id)
+    if num_output_tokens >= params.max_new_tokens:
+        return FinishReason.at_length(params.max_new_tokens)
+    return None
+
+
+class OutputText:
+    """The text side of one request: feed it each sampled token, take the streamable delta.
+
+    `append` returns the finish reason when the token ends the request
+    (stop token, EOS, stop string, max_new_tokens), else None. `take_delta`
+    returns the text released since the last call, `final_text` the whole
+    text once the request is over. Without a tokenizer the text stays empty
+    (token ids in, token ids out) while stop tokens and lengths still apply.
+    The text never includes a stop token, a matched stop string, or anything
+    after it.
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenDecoder | None,
+        params: SamplingParams,
+        prompt_ids: Sequence[int] | None = None,
+        eos_token_ids: Collection[int] = (),
+    ):
+        self._params = params
+        self._eos_token_ids = eos_token_ids
+        self._detokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens) if tokenizer else None
+        )
+        self._stops = StopStringMatcher(params.stop)
+        self._delta: list[str] = []
+        self._closed = False
+
+    def append(self, token_id: int, num_output_tokens: int) -> FinishReason | None:
+        """Add the request's newest token (`num_output_tokens` counts it)."""
+        if self._closed:
+            raise ValueError("append after the request finished")
+        reason = token_finish_reason(self._params, token_id, num_output_tokens, self._eos_token_ids)
+        if reason is None or reason.type != "stop":  # stop tokens never reach the text
+            if self._detokenizer is not None:
+                self._delta.append(self._stops.feed(self._detokenizer.append(token_id)))
+            if self._stops.matched is not None:
+                reason = FinishReason.stop(self._stops.matched)
+        if reason is not None:
+            matched = self._close()
+            if matched is not None:
+                reason = FinishReason.stop(matched)
+        return reason
+
+    def take_delta(self, final: bool = False) -> str:
+        """Text released since the last call; `final=True` first releases everything held back."""
+        if final:
+            self._close()
+        delta = "".join(self._delta)
+        self._delta.clear()
+        return delta
+
+    def final_text(self) -> str:
+        """The whole output text; ends the request's text (held-back text is released)."""
+        self._close()
+        return self._stops.text
+
+    def _close(self) -> str | None:
+        """Release held-back text; return the stop string that this completes, if any."""
+        if not self._closed:
+            self._closed = True
+            if self._detokenizer is not None:
+                self._delta.append(self._stops.feed(self._detokenizer.flush()))
+            self._delta.append(self._stops.flush())
+        return self._stops.matched
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +179,19 @@ class RequestOutput:
     finished: bool
     result: dict[str, Any] | None = None
 
+    def chunk(self, index: int) -> dict[str, Any]:
+        """The stream chunk callers see; `index` is the request's place in its call."""
+        chunk: dict[str, Any] = {
+            "index": index,
+            "id": self.rid,
+            "text": self.text_delta,
+            "output_ids": self.token_ids_delta,
+            "finished": self.finished,
+        }
+        if self.result is not None:
+            chunk["meta_info"] = self.result["meta_info"]
+        return chunk
+
 
 @dataclass(eq=False)
 class Request:
@@ -57,21 +202,25 @@ class Request:
     # Positions from which the prompt's own token log-probabilities are wanted
     # (scoring); None when not wanted.
     logprob_start_len: int | None = None
-    on_output: Callable[[RequestOutput], None] | None = None
+    # Called on the engine thread with each output, or with the error when the
+    # engine stops before the request ends.
+    on_output: Callable[[RequestOutput | BaseException], None] | None = None
+    tokenizer: TokenDecoder | None = None  # None: no text, token ids only
+    eos_token_ids: Collection[int] = ()
+    seed: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_ids: array = field(default_factory=lambda: array("q"))
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    seed: int = 0
+    finish_reason: FinishReason | None = None
     arrival_index: int = field(default_factory=lambda: next(_request_counter))
 
     # KV state (see the module docstring).
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     cached_len: int = 0
     num_computed: int = 0
-    last_node: Any = None
+    last_node: Any = None  # the cache manager's handle on the borrowed prefix
     cached_tokens: int | None = None  # prefix hit at first admission, reported to the user
     num_retractions: int = 0
 
@@ -87,7 +236,11 @@ class Request:
                 raise ValueError("input_ids: token ids must be ints in [0, 2**63)") from None
         if not self.rid:
             self.rid = f"req-{self.arrival_index}"
+        self._text = OutputText(self.tokenizer, self.params, self.prompt_ids, self.eos_token_ids)
+        self._new_token_ids: list[int] = []
+        self._reported_finish = False
 
+    # --- tokens -----------------------------------------------------------------
     @property
     def fill_ids(self) -> array:
         return self.prompt_ids + self.output_ids
@@ -129,3 +282,55 @@ class Request:
         if self.logprob_start_len is not None:
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return limit
+
+    # --- output -----------------------------------------------------------------
+    def append_token(self, token_id: int, logprob: float) -> None:
+        """Add a sampled token; sets `finish_reason` when it ends the request."""
+        self.output_ids.append(token_id)
+        self._new_token_ids.append(token_id)
+        if self.params.return_logprob:
+            self.output_logprobs.append(logprob)
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter()
+        reason = self._text.append(token_id, len(self.output_ids))
+        if reason is not None:
+            self.finish(reason)
+
+    def finish(self, reason: FinishReason) -> None:
+        """End the request (the scheduler takes it out of its queues)."""
+        self.finish_reason = reason
+        self.finished_s = time.perf_counter()
+        if self.first_token_s is None:
+            self.first_token_s = self.finished_s
+
+    def take_output(self) -> RequestOutput | None:
+        """What the caller has not seen yet: new text and token ids, and the result once finished."""
+        new_ids, self._new_token_ids = self._new_token_ids, []
+        if self.finish_reason is not None:
+            if self._reported_finish:
+                return None
+            self._reported_finish = True
+            delta = self._text.take_delta(final=True)
+            return RequestOutput(self.rid, delta, new_ids, True, self.result())
+        delta = self._text.take_delta()
+        if not delta and not new_ids:
+            return None
+        return RequestOutput(self.rid, delta, new_ids, False)
+
+    def result(self) -> dict[str, Any]:
+        """The `generate` result of a finished request: text, output_ids, meta_info."""
+        assert self.finish_reason is not None and self.finished_s is not None, f"{self.rid} has not finished"
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": len(self.prompt_ids),
+            "cached_tokens": self.cached_tokens or 0,
+            "completion_tokens": len(self.output_ids),
+            "finish_reason": self.finish_reason.to_dict(),
+            "ttft": (self.first_token_s or self.finished_s) - self.created_s,
+            "e2e_latency": self.finished_s - self.created_s,
+        }
+        if self.params.return_logprob:
+            meta["output_token_logprobs"] = list(self.output_logprobs)
+        if self.logprob_start_len is not None:
+            meta["input_token_logprobs"] = list(self.prompt_logprobs)
+        return {"text": self._text.final_text(), "output_ids": list(self.output_ids), "meta_info": meta}

@@ -1,40 +1,35 @@
-"""Which requests compute which tokens in the next step.
+"""Which requests compute which tokens in the next step, and what follows from the step.
 
 Each step the scheduler
   1. keeps every running request decoding (one token each), retracting the
      least advanced ones when even eviction cannot free a page for them;
   2. continues the request whose prompt is being prefilled in chunks;
-  3. admits waiting requests in policy order while the step's prompt-token
-     budget, the running-request cap and memory allow.
+  3. admits waiting requests in policy order (`policies`) while the step's
+     prompt-token budget, the running-request cap and memory allow.
 Memory for admission is "obtainable now" (free + evictable) minus a reserve
 for the running requests' future decode tokens.
 
-Policies:
-  lpm        longest cached prefix first (SGLang's default); falls back to
-             fcfs when the queue is longer than LPM_QUEUE_LIMIT, where
-             matching every waiting request each step costs more than it saves.
-  dfs-weight walk the tree of waiting requests' cached prefixes depth-first,
-             heaviest subtree first, so requests sharing a prefix run together.
-  fcfs       arrival order.
+After the model ran, `postprocess` advances every request of the step by
+what was computed: a finished prompt chunk or prompt is cached so others hit
+it while it runs, a sampled token is appended, and a finished request gives
+its KV to the cache. The scheduler is the cache manager's only caller.
 
 In-batch prefix sharing: a waiting request whose uncached part shares at
-least IN_BATCH_SHARE_MIN_TOKENS tokens with a prompt being computed right now
-waits one step, and then finds that shared part in the tree instead of
+least `in_batch_share_min_tokens` tokens with a prompt being computed right
+now waits one step, and then finds that shared part in the cache instead of
 computing it a second time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Hashable, Iterator, Sequence
 
 from radixrt.config import RuntimeConfig
 from radixrt.engine.cache_manager import CacheManager
-from radixrt.engine.request import Request, RequestStatus
-
-LPM_QUEUE_LIMIT = 128
-IN_BATCH_SHARE_MIN_TOKENS = 32
-RESERVE_CLIP_TOKENS = 4096
+from radixrt.engine.logits import NextToken
+from radixrt.engine.policies import order_waiting
+from radixrt.engine.request import FinishReason, Request, RequestStatus
 
 
 @dataclass
@@ -51,24 +46,32 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    """Owns the queues (`waiting`, `running`) and every request's path through them."""
+
     def __init__(self, cache: CacheManager, config: RuntimeConfig):
         self.cache = cache
         self.config = config
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self._order: Callable[[list[Request]], list[Request]] = {
-            "lpm": self._order_lpm,
-            "dfs-weight": self._order_dfs_weight,
-            "fcfs": self._order_fcfs,
-        }[config.schedule_policy]
+        self._by_id: dict[str, Request] = {}
 
     def add(self, req: Request) -> None:
+        """Queue a request; a request id already in use ends the new request at once (an abort)."""
+        if req.rid in self._by_id:
+            req.finish(FinishReason.abort(f"request id {req.rid!r} is already in use"))
+            req.status = RequestStatus.FINISHED
+            return
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
+        self._by_id[req.rid] = req
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def requests(self) -> Iterator[Request]:
+        """Every request not finished yet, waiting or running."""
+        return iter(list(self._by_id.values()))
 
     # --- one step -----------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -89,7 +92,7 @@ class Scheduler:
         if any(num < r.num_pending for r, num in batch.items):
             return batch  # one chunked prefill at a time
 
-        for req in self._order(self.waiting) if self.waiting else []:
+        for req in self.order_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if self._shares_uncomputed_prefix(req, in_flight):
@@ -111,19 +114,54 @@ class Scheduler:
                 break  # it continues next step; one chunked prefill at a time
         return batch
 
-    def finish(self, req: Request) -> None:
-        """A running request is done: give its KV to the tree and forget it."""
-        self.cache.release(req)
-        self.running.remove(req)
-        req.status = RequestStatus.FINISHED
+    def order_waiting(self) -> list[Request]:
+        if not self.waiting:
+            return []
+        return order_waiting(self.config.schedule_policy, self.waiting, self.cache, self.config.lpm_queue_limit)
 
-    def abort(self, req: Request) -> None:
+    def postprocess(self, batch: ScheduledBatch, next_tokens: Sequence[NextToken | None]) -> None:
+        """Advance the step's requests: `next_tokens[i]` was sampled for `batch.items[i]` (None: not sampled).
+
+        A request that completed its pending tokens without a sampled token
+        has nothing left to generate (max_new_tokens = 0: it only scored its
+        prompt).
+        """
+        for (req, num), token in zip(batch.items, next_tokens):
+            just_admitted = req.num_computed == req.cached_len
+            req.num_computed += num
+            if req.num_pending > 0:  # a chunk of a long prompt
+                self.cache.cache_computed(req)
+                continue
+            if token is None:
+                req.finish(FinishReason.at_length(req.params.max_new_tokens))
+            else:
+                req.append_token(token.token_id, token.logprob)
+            if req.finish_reason is not None:
+                self._finish(req)
+            elif num > 1 or just_admitted:
+                self.cache.cache_computed(req)  # the prompt is computed: let others hit it now
+
+    def abort(self, rid: str, message: str) -> Request | None:
+        """End a waiting or running request and free what it holds; None if unknown or finished."""
+        req = self._by_id.get(rid)
+        if req is None:
+            return None
         if req.status is RequestStatus.RUNNING:
             self.cache.release(req)
             self.running.remove(req)
-        elif req.status is RequestStatus.WAITING:
+        else:
             self.waiting.remove(req)
+        req.finish(FinishReason.abort(message))
         req.status = RequestStatus.FINISHED
+        del self._by_id[rid]
+        return req
+
+    def _finish(self, req: Request) -> None:
+        """A running request is done: give its KV to the cache and forget it."""
+        self.cache.release(req)
+        self.running.remove(req)
+        req.status = RequestStatus.FINISHED
+        del self._by_id[req.rid]
 
     # --- memory pressure ------------------------------------------------------
     def _fit_decodes(self, decoding: list[Request]) -> list[Request]:
@@ -131,8 +169,8 @@ class Scheduler:
 
         Retraction victims: fewest output tokens first, then longest prompt
         (least work lost, most memory won). A retracted request keeps its
-        outputs, its computed tokens stay in the tree as evictable entries,
-        and it recomputes from what remains when readmitted.
+        outputs, its computed tokens stay cached as evictable entries, and it
+        recomputes from what remains when readmitted.
         """
         retracted: list[Request] = []
         while True:
@@ -157,74 +195,31 @@ class Scheduler:
         self.waiting.append(req)
 
     def _future_tokens(self, req: Request) -> int:
-        return int(min(req.remaining_new_tokens, RESERVE_CLIP_TOKENS) * self.config.new_token_reserve_ratio)
+        clipped = min(req.remaining_new_tokens, self.config.new_token_reserve_clip)
+        return int(clipped * self.config.new_token_reserve_ratio)
 
     def _decode_reserve(self, requests: Sequence[Request]) -> int:
         return sum(self._future_tokens(r) for r in requests)
 
     # --- in-batch prefix sharing ------------------------------------------------
     def _shares_uncomputed_prefix(self, req: Request, in_flight: Sequence[Request]) -> bool:
-        if self.cache.tree is None or not in_flight:
+        if not self.cache.caches_prefixes or not in_flight:
             return False
-        matched = self._match_length(req)
+        matched = self.cache.match_length(req)
         tokens = req.fill_ids
+        threshold = max(self.config.in_batch_share_min_tokens, self.cache.page_size)
         for other in in_flight:
             if other.namespace == req.namespace:
-                shared = common_prefix_length(tokens, other.fill_ids)
-                if shared - matched >= max(IN_BATCH_SHARE_MIN_TOKENS, self.cache.page_size):
+                if common_prefix_length(tokens, other.fill_ids) - matched >= threshold:
                     return True
         return False
 
-    # --- policies ----------------------------------------------------------------
-    def _match_length(self, req: Request) -> int:
-        if self.cache.tree is None:
-            return 0
-        tokens = req.fill_ids[: req.max_prefix_match()]
-        return self.cache.tree.match_prefix(tokens, namespace=req.namespace).length
-
-    def _order_fcfs(self, waiting: list[Request]) -> list[Request]:
-        return sorted(waiting, key=lambda r: r.arrival_index)
-
-    def _order_lpm(self, waiting: list[Request]) -> list[Request]:
-        if len(waiting) > LPM_QUEUE_LIMIT or self.cache.tree is None:
-            return self._order_fcfs(waiting)
-        lengths = {id(r): self._match_length(r) for r in waiting}
-        return sorted(waiting, key=lambda r: (-lengths[id(r)], r.arrival_index))
-
-    def _order_dfs_weight(self, waiting: list[Request]) -> list[Request]:
-        """Depth-first over the tree nodes the waiting requests' prefixes end at.
-
-        A node's weight is the number of waiting requests at or below it;
-        heavier children are visited first, so a popular prefix's requests run
-        back to back while it is still cached.
-        """
-        tree = self.cache.tree
-        if tree is None:
-            return self._order_fcfs(waiting)
-        at_node: dict[int, list[Request]] = {}
-        weight: dict[int, int] = {}
-        children: dict[int, list] = {}
-        roots: dict[int, object] = {}
-        for req in sorted(waiting, key=lambda r: r.arrival_index):
-            tokens = req.fill_ids[: req.max_prefix_match()]
-            node = tree.match_prefix(tokens, namespace=req.namespace).last_node
-            at_node.setdefault(id(node), []).append(req)
-            while node is not None:
-                first_visit = id(node) not in weight
-                weight[id(node)] = weight.get(id(node), 0) + 1
-                parent = node.parent
-                if parent is None:
-                    roots[id(node)] = node
-                elif first_visit:
-                    children.setdefault(id(parent), []).append(node)
-                node = parent
-        ordered: list[Request] = []
-        stack = sorted(roots.values(), key=lambda n: weight[id(n)])
-        while stack:
-            node = stack.pop()
-            ordered.extend(at_node.get(id(node), ()))
-            stack.extend(sorted(children.get(id(node), ()), key=lambda n: weight[id(n)]))
-        return ordered
+    # --- integrity ----------------------------------------------------------------
+    def check_invariants(self) -> None:
+        self.cache.check_invariants(self.running)
+        for req in self.waiting:
+            assert req.slots.numel() == 0 and req.last_node is None, f"{req.rid} waits holding KV"
+        assert {r.rid for r in self.waiting} | {r.rid for r in self.running} == set(self._by_id), "queues and ids differ"
 
 
 def common_prefix_length(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:

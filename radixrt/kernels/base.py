@@ -1,28 +1,47 @@
 """The one interface every attention backend implements.
 
 The runner calls `plan(batch)` once per step; the model then calls
-`forward(q, k, v, layer, plan)` in every layer. `forward` first stores the new
-tokens' K/V into the pool at `batch.out_slots`, then attends each sequence's
-new queries over its whole `kv_slots` (prefix + new) with the causal mask
-offset by its prefix length: new token j of a sequence with prefix p sees
-positions 0 .. p + j.
+`forward(q, k, v, layer, batch, plan)` in every layer. `forward` stores the
+new tokens' K/V into the pool at `batch.out_slots` (here, once for every
+backend), then the backend's `attend` runs each sequence's new queries over
+its whole `kv_slots` (prefix + new) with the causal mask offset by its prefix
+length: new token j of a sequence with prefix p sees positions 0 .. p + j.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Generic, TypeVar
 
 import torch
 
+from radixrt.kernels import DEFAULT_SHARED_PREFIX_MIN_TOKENS
+from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.memory.kv_cache import KVCache
-from radixrt.model.forward_batch import ForwardBatch
+
+PlanT = TypeVar("PlanT")
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(ABC, Generic[PlanT]):
+    """Attention over a `KVCache`; `PlanT` is what `plan` builds and every layer's `attend` reads.
+
+    `shared_prefix_min_tokens`: sequences sharing at least this many cached
+    slots may attend them in one call (backends without a shared-prefix path
+    ignore it).
+    """
+
     name: str = ""
 
-    def __init__(self, kv_cache: KVCache, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 1):
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int = 1,
+        *,
+        shared_prefix_min_tokens: int = DEFAULT_SHARED_PREFIX_MIN_TOKENS,
+    ):
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(
                 f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
@@ -34,11 +53,14 @@ class AttentionBackend(ABC):
             )
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if shared_prefix_min_tokens < 1:
+            raise ValueError(f"shared_prefix_min_tokens must be >= 1, got {shared_prefix_min_tokens}")
         self.kv_cache = kv_cache
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
+        self.shared_prefix_min_tokens = shared_prefix_min_tokens
         self.scale = head_dim**-0.5
 
     def _require_kv_dtype(self, supported: tuple[torch.dtype, ...]) -> None:
@@ -47,11 +69,22 @@ class AttentionBackend(ABC):
             raise ValueError(f"kv_cache dtype must be one of {supported}, got {self.kv_cache.shape.dtype}")
 
     @abstractmethod
-    def plan(self, batch: ForwardBatch) -> Any:
+    def plan(self, batch: ForwardBatch) -> PlanT:
         """Build this step's metadata once (index arrays, kernel plans)."""
 
-    @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, plan: Any
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, plan: PlanT
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq, D]."""
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq, D].
+
+        The new K/V enter the pool first, so `attend` reads every key, new or
+        cached, from one place.
+        """
+        self.kv_cache.store(layer, batch.out_slots, k, v)
+        return self.attend(q, k, v, layer, batch, plan)
+
+    @abstractmethod
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, plan: PlanT
+    ) -> torch.Tensor:
+        """Attention output [T, Hq, D]; the new tokens' K/V (`k`, `v`) are already in the pool."""

@@ -29,9 +29,10 @@ from typing import Sequence
 
 import torch
 
+from radixrt.kernels import DEFAULT_SHARED_PREFIX_MIN_TOKENS
 from radixrt.kernels.base import AttentionBackend
 from radixrt.memory.kv_cache import KVCache
-from radixrt.model.forward_batch import ForwardBatch
+from radixrt.kernels.forward_batch import ForwardBatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -84,7 +85,7 @@ class FlashInferPlan:
     has_decode: bool
 
 
-class FlashInferAttentionBackend(AttentionBackend):
+class FlashInferAttentionBackend(AttentionBackend["FlashInferPlan"]):
     """Paged prefill wrapper for extend sequences, paged decode wrapper for decode ones.
 
     Ownership: the wrappers keep the latest plan internally, so a plan object is
@@ -102,9 +103,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         head_dim: int,
         page_size: int = 1,
         *,
+        shared_prefix_min_tokens: int = DEFAULT_SHARED_PREFIX_MIN_TOKENS,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ):
-        super().__init__(kv_cache, num_q_heads, num_kv_heads, head_dim, page_size)
+        super().__init__(
+            kv_cache, num_q_heads, num_kv_heads, head_dim, page_size, shared_prefix_min_tokens=shared_prefix_min_tokens
+        )
         self._require_kv_dtype(SUPPORTED_DTYPES)
         try:
             import flashinfer
@@ -154,10 +158,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             has_decode=bool(decode_ids),
         )
 
-    def forward(
+    def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, plan: FlashInferPlan
     ) -> torch.Tensor:
-        self.kv_cache.store(layer, batch.out_slots, k, v)
         usable = self.num_pages * self.page_size
         paged_kv = (
             self.kv_cache.k[layer][:usable].view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim),

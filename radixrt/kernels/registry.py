@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import Any
 
+from radixrt.kernels import BACKEND_NAMES, BACKENDS, DEFAULT_SHARED_PREFIX_MIN_TOKENS
 from radixrt.kernels.base import AttentionBackend
 from radixrt.memory.kv_cache import KVCache
-
-# name -> (module, class, the pip package its kernels come from; None: plain torch)
-_BACKENDS: dict[str, tuple[str, str, str | None]] = {
-    "flashinfer": ("radixrt.kernels.flashinfer_backend", "FlashInferAttentionBackend", "flashinfer"),
-    "triton": ("radixrt.kernels.triton_backend", "TritonAttentionBackend", "triton"),
-    "torch": ("radixrt.kernels.torch_backend", "TorchAttentionBackend", None),
-}
-BACKEND_NAMES = ("auto", *_BACKENDS)
 
 
 def create_backend(
@@ -24,7 +18,8 @@ def create_backend(
     num_kv_heads: int,
     head_dim: int,
     page_size: int = 1,
-) -> AttentionBackend:
+    shared_prefix_min_tokens: int = DEFAULT_SHARED_PREFIX_MIN_TOKENS,
+) -> AttentionBackend[Any]:
     """Build the named backend over `kv_cache`.
 
     None or "auto": on a CUDA cache the first of flashinfer, triton that
@@ -40,24 +35,26 @@ def create_backend(
     if name == "auto":
         backend_class = _auto(on_cuda)
     else:
-        if _BACKENDS[name][2] is not None and not on_cuda:
+        if BACKENDS[name][2] is not None and not on_cuda:
             raise ValueError(
                 f"attention_backend {name!r} needs a CUDA KV cache, got device {kv_cache.device}; use 'torch' or 'auto'"
             )
         backend_class = _load(name)
-    return backend_class(kv_cache, num_q_heads, num_kv_heads, head_dim, page_size)
+    return backend_class(
+        kv_cache, num_q_heads, num_kv_heads, head_dim, page_size, shared_prefix_min_tokens=shared_prefix_min_tokens
+    )
 
 
-def _load(name: str) -> type[AttentionBackend]:
-    module_name, class_name, _ = _BACKENDS[name]
+def _load(name: str) -> type[AttentionBackend[Any]]:
+    module_name, class_name, _ = BACKENDS[name]
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def _auto(on_cuda: bool) -> type[AttentionBackend]:
+def _auto(on_cuda: bool) -> type[AttentionBackend[Any]]:
     """The best backend that imports: a broken GPU install falls back instead of failing."""
     if on_cuda:
         for name in ("flashinfer", "triton"):
-            package = _BACKENDS[name][2]
+            package = BACKENDS[name][2]
             if package is None or importlib.util.find_spec(package) is None:
                 continue
             try:

@@ -23,10 +23,6 @@ from typing import Callable, Sequence
 
 import torch
 
-# A prefix is attended separately when at least this many tokens of it are
-# shared; below that the extra call and merge cost more than they save.
-MIN_SHARED_PREFIX = 64
-
 
 @dataclass(frozen=True)
 class SharedPrefix:
@@ -42,7 +38,7 @@ def find_shared_prefixes(
     kv_indices: torch.Tensor,
     kv_starts: Sequence[int],
     prefix_lens: Sequence[int],
-    min_length: int | None = None,
+    min_length: int,
 ) -> list[SharedPrefix]:
     """Group sequences by their first cached slot and measure how far their slots agree.
 
@@ -50,8 +46,6 @@ def find_shared_prefixes(
     get fresh slots. One level is found per group: sequences that branch
     further (a tree of thought) share their common root here.
     """
-    if min_length is None:
-        min_length = MIN_SHARED_PREFIX
     by_first_slot: dict[int, list[int]] = {}
     firsts = kv_indices[list(kv_starts)].tolist() if kv_starts else []
     for index, (first, prefix) in enumerate(zip(firsts, prefix_lens)):

@@ -17,7 +17,7 @@ Padding slots point at the sequence's first slot and are masked out; padded
 query rows are computed and dropped. Slots are whatever `kv_indices` says, so
 any `page_size` works.
 
-Sequences that share a cached prefix of at least `MIN_SHARED_PREFIX` slots
+Sequences that share a cached prefix of at least `shared_prefix_min_tokens` slots
 (a few-shot batch, the branches of a fork) are split in two (see
 `shared_prefix`): all their queries attend the shared prefix in one call, the
 groups above attend only the keys after it and also return log-sum-exps, and
@@ -42,7 +42,7 @@ from radixrt.kernels.shared_prefix import (
     repeat_mask_rows,
     unfold_heads,
 )
-from radixrt.model.forward_batch import ForwardBatch
+from radixrt.kernels.forward_batch import ForwardBatch
 
 # An extend group grows while its padded size stays within this factor of its real size.
 _MAX_PADDING_FACTOR = 2.0
@@ -81,7 +81,7 @@ class TorchAttentionPlan:
     cascades: tuple[_Cascade, ...]
 
 
-class TorchAttentionBackend(AttentionBackend):
+class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
     name = "torch"
 
     def plan(self, batch: ForwardBatch) -> TorchAttentionPlan:
@@ -89,7 +89,9 @@ class TorchAttentionBackend(AttentionBackend):
         kv_starts = batch.kv_indptr[:-1].tolist()
         q_starts = batch.qo_indptr[:-1].tolist()
         seqs = list(zip(range(batch.num_seqs), batch.prefix_lens, batch.extend_lens, kv_starts, q_starts))
-        shared = find_shared_prefixes(batch.kv_indices, kv_starts, batch.prefix_lens) if len(seqs) > 1 else []
+        shared = []
+        if len(seqs) > 1:
+            shared = find_shared_prefixes(batch.kv_indices, kv_starts, batch.prefix_lens, self.shared_prefix_min_tokens)
         skip = {i: prefix.length for prefix in shared for i in prefix.members}
         plain = [s for s in seqs if s[0] not in skip]
         # After a shared prefix of length L, a sequence is a shorter one: prefix p - L, slots from L on.
@@ -109,7 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
             groups = [_fold_mask_rows(g, group_size) for g in groups]
         return groups
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -118,7 +120,6 @@ class TorchAttentionBackend(AttentionBackend):
         batch: ForwardBatch,
         plan: TorchAttentionPlan,
     ) -> torch.Tensor:
-        self.kv_cache.store(layer, batch.out_slots, k, v)
         k_pool, v_pool = self.kv_cache.k[layer], self.kv_cache.v[layer]
         out = None if plan.groups[0].out_rows is None else torch.empty_like(q)
         if plan.cascades:
@@ -128,13 +129,14 @@ class TorchAttentionBackend(AttentionBackend):
             v_group = v_pool.index_select(0, group.kv_slots).view(group.num_seqs, group.kv_len, self.num_kv_heads, -1)
             k_group, v_group = k_group.transpose(1, 2), v_group.transpose(1, 2)
             if group.with_lse:
+                assert group.out_rows is not None
                 rows, lse = self._partial(q, k_group, v_group, group)
                 tail_out.index_copy_(0, group.out_rows, rows)
                 tail_lse.index_copy_(0, group.out_rows, lse)
                 continue
             attend = self._decode if group.is_decode else self._extend
             rows = attend(q, k_group, v_group, group)
-            if out is None:  # the only group, covering every row in order
+            if out is None or group.out_rows is None:  # the only group, covering every row in order
                 return rows
             out.index_copy_(0, group.out_rows, rows)
         assert out is not None

@@ -18,9 +18,10 @@ from typing import Sequence
 
 import torch
 
+from radixrt.kernels import DEFAULT_SHARED_PREFIX_MIN_TOKENS
 from radixrt.kernels.base import AttentionBackend
 from radixrt.memory.kv_cache import KVCache
-from radixrt.model.forward_batch import ForwardBatch
+from radixrt.kernels.forward_batch import ForwardBatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -53,7 +54,7 @@ class TritonPlan:
     extend: ExtendPlan | None
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(AttentionBackend["TritonPlan"]):
     """Split-K paged decode and prefix-aware extend, in Triton.
 
     Ownership: a plan is valid for the batch it was built from and only while
@@ -64,9 +65,18 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(
-        self, kv_cache: KVCache, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 1
+        self,
+        kv_cache: KVCache,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int = 1,
+        *,
+        shared_prefix_min_tokens: int = DEFAULT_SHARED_PREFIX_MIN_TOKENS,
     ):
-        super().__init__(kv_cache, num_q_heads, num_kv_heads, head_dim, page_size)
+        super().__init__(
+            kv_cache, num_q_heads, num_kv_heads, head_dim, page_size, shared_prefix_min_tokens=shared_prefix_min_tokens
+        )
         if not 16 <= head_dim <= 256:
             raise ValueError(f"head_dim must be in [16, 256] (tl.dot needs 16), got {head_dim}")
         self._require_kv_dtype(SUPPORTED_DTYPES)
@@ -128,16 +138,15 @@ class TritonAttentionBackend(AttentionBackend):
             max_extend_len=max(extend_lens),
         )
 
-    def forward(
+    def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, plan: TritonPlan
     ) -> torch.Tensor:
         dtype = self.kv_cache.shape.dtype
         # The kernels read the new tokens' K/V straight from k/v (phase 2 of the
-        # extend kernel), so they must hold exactly what the pool now holds.
+        # extend kernel): cast as the pool stored them, they hold the same values.
         k = _last_dim_contiguous(k.to(dtype))
         v = _last_dim_contiguous(v.to(dtype))
         q_in = _last_dim_contiguous(q.to(dtype))
-        self.kv_cache.store(layer, batch.out_slots, k, v)
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
         out = torch.empty(q_in.shape, dtype=dtype, device=q_in.device)
         if plan.decode is not None:

@@ -21,7 +21,7 @@ from torch import nn
 from radixrt.kernels.base import AttentionBackend
 from radixrt.model.config import ModelConfig
 from radixrt.model import linear
-from radixrt.model.forward_batch import ForwardBatch
+from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.rope import RotaryEmbedding
 
 
@@ -69,7 +69,7 @@ class LlamaDecoderLayer(nn.Module):
         signed_sin: torch.Tensor,
         rope: RotaryEmbedding,
         batch: ForwardBatch,
-        backend: AttentionBackend,
+        backend: AttentionBackend[Any],
         plan: Any,
     ) -> torch.Tensor:
         config = self.config
@@ -125,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend, plan: Any) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend[Any], plan: Any) -> torch.Tensor:
         """Hidden states after the final norm, [batch.num_tokens, hidden_size].
 
         `backend.plan(batch)` must have produced `plan` for this very batch;

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from radixrt.kernels.base import AttentionBackend
+from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.memory.kv_cache import KVCache
-from radixrt.model.forward_batch import ForwardBatch
 from radixrt.model.llama import LlamaForCausalLM
 
 
@@ -18,7 +20,7 @@ class ModelRunner:
     is the caller's business (the scheduler allocates them from the PagePool).
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend[Any]):
         config = model.config
         expected = (config.num_layers, config.num_kv_heads, config.head_dim)
         shape = kv_cache.shape

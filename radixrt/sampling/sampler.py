@@ -1,9 +1,7 @@
-"""Sampling parameters and the batched sampler.
+"""The batched sampler: one batch of next-token logits in, one token per row out.
 
-`SamplingParams` uses SGLang's names and defaults, so users can carry their
-`sampling_params` dicts over unchanged. `Sampler.sample` turns one batch of
-next-token logits into one token per row with a fixed number of batched
-tensor operations, whatever the mix of settings in the batch:
+`Sampler.sample` uses a fixed number of batched tensor operations, whatever
+the mix of settings in the batch:
 
     logits ─► penalties (repetition, then frequency/presence) ─► logprobs
            └► greedy rows: argmax
@@ -20,16 +18,13 @@ row alone. So a seeded request draws the same tokens alone or in a batch of
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import chain
-from typing import Any
 
 import torch
 
-# Temperatures below this sample greedily: dividing logits by them overflows
-# float32 (SGLang uses the same cut-off).
-GREEDY_TEMPERATURE = 1e-5
+from radixrt.sampling.params import SamplingParams
 
 # top_p first looks for the nucleus among this many most likely tokens and
 # sorts the whole vocabulary only for rows whose nucleus is larger: a full
@@ -37,127 +32,6 @@ GREEDY_TEMPERATURE = 1e-5
 _NUCLEUS_CANDIDATES = 256
 
 _MASK64 = (1 << 64) - 1
-
-
-def _number(name: str, value: Any, accepted: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number {accepted}, got {value!r}")
-    return float(value)
-
-
-def _int(name: str, value: Any, accepted: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int {accepted}, got {value!r}")
-    return value
-
-
-def _bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def _normalise_stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    items = (value,) if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
-        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {value!r}")
-    return tuple(items)
-
-
-def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    ):
-        raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {value!r}")
-    return tuple(value)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request generates: SGLang's sampling parameters and defaults.
-
-    Frozen, because one object is shared by the `n` samples of a request and
-    by every `gen` of a program; use `dataclasses.replace` for a variant.
-    `stop` and `stop_token_ids` are normalised to tuples (empty when None).
-    Construction validates everything that needs no model; `validate(vocab_size)`
-    adds the checks that do.
-    """
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: str | Sequence[str] | None = None
-    stop_token_ids: Sequence[int] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    return_logprob: bool = False
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", _normalise_stop(self.stop))
-        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
-        self.validate()
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first field outside its accepted range."""
-        if _int("max_new_tokens", self.max_new_tokens, ">= 0") < 0:
-            raise ValueError(f"max_new_tokens must be >= 0 (0 scores the prompt only), got {self.max_new_tokens}")
-        if _number("temperature", self.temperature, ">= 0") < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < _number("top_p", self.top_p, "in (0, 1]") <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        top_k = _int("top_k", self.top_k, "(-1 = off, or >= 1)")
-        if top_k != -1 and top_k < 1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {top_k}")
-        if not 0 <= _number("min_p", self.min_p, "in [0, 1]") <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= _number(name, getattr(self, name), "in [-2, 2]") <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if _number("repetition_penalty", self.repetition_penalty, "> 0") <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        if self.seed is not None:
-            _int("seed", self.seed, "or None")
-        if _int("n", self.n, ">= 1") < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        for name in ("ignore_eos", "return_logprob", "skip_special_tokens"):
-            _bool(name, getattr(self, name))
-        if vocab_size is not None:
-            bad = [t for t in self.stop_token_ids if t >= vocab_size]
-            if bad:
-                raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
-
-    @classmethod
-    def from_any(cls, value: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
-        """Accept what users pass as `sampling_params`: None (defaults), a dict, or an instance."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, Mapping):
-            unknown = sorted(map(str, set(value) - _FIELD_NAMES))
-            if unknown:
-                raise ValueError(
-                    f"unknown sampling parameter(s) {', '.join(unknown)}; accepted: {', '.join(sorted(_FIELD_NAMES))}"
-                )
-            return cls(**value)
-        raise ValueError(f"sampling_params must be None, a dict or SamplingParams, got {type(value).__name__}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
-
-
-_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 
 
 def _splitmix64(x: int) -> int:

@@ -1,0 +1,151 @@
+"""`radixrt.Runtime`: the Python entry point.
+
+The engine runs on one background thread (`driver`); every public method is
+safe to call from any thread. A request is tokenized and validated in the
+caller's thread (`inputs`), so bad input raises there and never reaches the
+engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from radixrt.config import RuntimeConfig
+from radixrt.engine.engine import Engine
+from radixrt.engine.request import Request, RequestOutput
+from radixrt.runtime.driver import EngineDriver, build_engine
+from radixrt.runtime.inputs import InputProcessor, PromptInput
+from radixrt.sampling import SamplingParams
+
+_Outputs = queue.Queue  # of RequestOutput | BaseException, filled on the engine thread
+
+
+class Runtime:
+    """Generate text with a radix-tree prefix cache.
+
+    >>> rt = Runtime()                       # the bundled SmolLM2-135M-Instruct
+    >>> rt.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})["text"]
+    """
+
+    def __init__(self, model: Any = None, **config: Any):
+        self.config = RuntimeConfig.from_kwargs(**config)
+        built = build_engine(model, self.config)
+        self.tokenizer = built.loaded.tokenizer
+        self.model_name = built.loaded.name
+        self.inputs = InputProcessor(self.tokenizer, built.limits, built.eos_token_ids)
+        # Read-only outside the engine thread: for introspection (model, device), never for driving it.
+        self.engine: Engine = built.engine
+        self._driver = EngineDriver(built.engine)
+
+    # --- generation --------------------------------------------------------------
+    def generate(
+        self,
+        prompt: PromptInput = None,
+        sampling_params: SamplingParams | dict | None = None,
+        stream: bool = False,
+        *,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        messages: Sequence[dict] | None = None,
+        cache_salt: str | None = None,
+        logprob_start_len: int | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """Complete one prompt (a dict) or a list of prompts (a list of dicts, in order).
+
+        The first argument may be a string, a list of strings, token ids, a
+        list of token-id lists, or chat messages ([{"role", "content"}, ...]).
+        With `n > 1` each prompt yields n results (a list, prompt by prompt).
+        `stream=True` returns an iterator of chunks
+        {"index", "id", "text", "output_ids", "finished", "meta_info"?};
+        `abort(chunk["id"])` stops that request.
+        `cache_salt` puts the request in its own cache namespace.
+        `logprob_start_len` asks for the prompt tokens' log-probabilities from
+        that position on (in meta_info["input_token_logprobs"]).
+        """
+        prompts, is_batch = self.inputs.token_ids(prompt, input_ids, messages)
+        params = SamplingParams.from_any(sampling_params)
+        requests = self.inputs.make_requests(prompts, params, cache_salt, logprob_start_len)
+        many = is_batch or params.n > 1
+        outputs: _Outputs = queue.Queue()
+        for req in requests:
+            req.on_output = outputs.put
+        self._driver.submit(requests)
+        if stream:
+            return self._stream(requests, outputs)
+        results = _collect(requests, outputs)
+        return results if many else results[0]
+
+    async def async_generate(self, *args: Any, **kwargs: Any) -> dict | list[dict] | AsyncIterator[dict]:
+        """`generate` for asyncio callers; with stream=True, returns an async iterator of chunks."""
+        if not kwargs.get("stream", len(args) > 2 and args[2]):
+            result = await asyncio.to_thread(self.generate, *args, **kwargs)
+            assert not isinstance(result, Iterator)
+            return result
+        chunks = self.generate(*args, **kwargs)
+        assert isinstance(chunks, Iterator)
+        return _async_iterate(chunks)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its caller gets finish_reason {"type": "abort"}."""
+        self._driver.abort(request_id)
+
+    # --- cache -------------------------------------------------------------------------
+    def cache_stats(self) -> dict[str, float | int]:
+        """Hit rate (cached prompt tokens / prompt tokens), tree and pool usage, evictions."""
+        stats: dict[str, float | int] = self._driver.call(self.engine.stats)
+        return stats
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix and reset the hit counters (the runtime must be idle)."""
+        self._driver.call(self.engine.flush_cache)
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._driver.shutdown()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # --- internals -----------------------------------------------------------------------
+    def _stream(self, requests: list[Request], outputs: _Outputs) -> Iterator[dict]:
+        index_of = {r.rid: i for i, r in enumerate(requests)}
+        remaining = len(requests)
+        try:
+            while remaining:
+                output = _next_output(outputs)
+                remaining -= output.finished
+                yield output.chunk(index_of[output.rid])
+        finally:
+            if remaining:  # the caller stopped reading: free what its requests hold
+                for req in requests:
+                    self.abort(req.rid)
+
+
+def _next_output(outputs: _Outputs) -> RequestOutput:
+    item = outputs.get()
+    if isinstance(item, BaseException):
+        raise RuntimeError(f"the request did not complete: {item}") from item
+    assert isinstance(item, RequestOutput)
+    return item
+
+
+def _collect(requests: list[Request], outputs: _Outputs) -> list[dict]:
+    results: dict[str, dict] = {}
+    while len(results) < len(requests):
+        output = _next_output(outputs)
+        if output.result is not None:
+            results[output.rid] = output.result
+    return [results[r.rid] for r in requests]
+
+
+async def _async_iterate(chunks: Iterator[dict]) -> AsyncIterator[dict]:
+    sentinel: Any = object()
+    while True:
+        chunk = await asyncio.to_thread(next, chunks, sentinel)
+        if chunk is sentinel:
+            return
+        yield chunk

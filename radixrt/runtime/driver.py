@@ -1,0 +1,210 @@
+"""The engine's thread: building the engine, and the only place that touches it afterwards.
+
+Callers post actions (add requests, abort, run a function between steps);
+the thread applies them and steps while there is work. The lock guards only
+the action list, never a step, so a caller never waits for a long step to
+post an abort or ask for stats.
+
+Sizing the KV pool is the one decision made when building: an explicit
+`max_total_tokens`, else a share of free GPU memory after the weights, else a
+byte budget on the CPU.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from radixrt.config import RuntimeConfig
+from radixrt.engine.cache_manager import CacheManager, NoPrefixCache
+from radixrt.engine.engine import Engine
+from radixrt.engine.radix_cache import RadixCacheManager
+from radixrt.engine.request import Request
+from radixrt.kernels.registry import create_backend
+from radixrt.memory import KVCache, KVShape, PagePool
+from radixrt.model.loader import LoadedModel, load_model
+from radixrt.model.runner import ModelRunner
+from radixrt.runtime.inputs import RequestLimits
+
+logger = logging.getLogger("radixrt")
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    engine: Engine
+    loaded: LoadedModel
+    limits: RequestLimits
+    eos_token_ids: tuple[int, ...]
+
+
+def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
+    """Load the model, size the KV pool and wire the engine's parts together."""
+    wanted = config.device
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = load_model(model, device=wanted, dtype=config.dtype)
+    device = loaded.model.device
+    model_config = loaded.config
+    shape = model_config.kv_shape(loaded.model.dtype)
+    num_pages = pool_tokens(config, shape, device) // config.page_size
+    if num_pages < 1:
+        raise ValueError("the KV budget holds less than one page; raise max_total_tokens or the memory budget")
+    kv_cache = KVCache(shape, num_pages * config.page_size, device)
+    backend = create_backend(
+        config.attention_backend,
+        kv_cache,
+        model_config.num_heads,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        config.page_size,
+        shared_prefix_min_tokens=config.shared_prefix_min_tokens,
+    )
+    runner = ModelRunner(loaded.model, kv_cache, backend)
+    pool = PagePool(num_pages, config.page_size)
+    cache: CacheManager = NoPrefixCache(pool) if config.disable_radix_cache else RadixCacheManager(pool)
+    limits = RequestLimits(
+        vocab_size=model_config.vocab_size,
+        context_len=model_config.context_len,
+        pool_tokens=num_pages * config.page_size,
+        page_size=config.page_size,
+    )
+    return BuiltEngine(Engine(runner, cache, config), loaded, limits, tuple(eos_token_ids(loaded)))
+
+
+def pool_tokens(config: RuntimeConfig, shape: KVShape, device: torch.device) -> int:
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return shape.tokens_for_bytes(int(free_bytes * config.kv_memory_fraction))
+    return shape.tokens_for_bytes(config.kv_memory_bytes)
+
+
+def eos_token_ids(loaded: LoadedModel) -> list[int]:
+    ids = set(loaded.config.eos_token_ids)
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class EngineDriver:
+    """Runs `engine` on a background thread; every public method is safe from any thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._actions: list[tuple[str, Any]] = []
+        self._closed = False
+        self._engine_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="radixrt-engine", daemon=True)
+        self._thread.start()
+        _live_drivers.add(self)
+
+    def submit(self, requests: list[Request]) -> None:
+        self._post("add", requests)
+
+    def abort(self, rid: str) -> None:
+        self._post("abort", rid)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between two steps and return its result.
+
+        Only the engine thread touches engine state while it runs, so callers
+        never see a half-done step and never hold a lock the step loop needs.
+        """
+        if threading.current_thread() is self._thread:
+            return fn()
+        with self._cv:
+            closed = self._closed
+        if closed or not self._thread.is_alive():
+            self._thread.join()  # a shut-down engine finishes its last step first
+            return fn()
+        reply: queue.Queue[tuple[bool, Any]] = queue.Queue()
+        self._post("call", (fn, reply))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _post(self, action: str, payload: Any) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the runtime is shut down")
+            if self._engine_error is not None:
+                raise RuntimeError("the engine stopped after an internal error") from self._engine_error
+            self._actions.append((action, payload))
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        """Apply posted actions, then step; the lock is never held during a step."""
+        failure: BaseException | None = None
+        try:
+            while True:
+                with self._cv:
+                    while not self._actions and not self.engine.has_work and not self._closed:
+                        self._cv.wait()
+                    if self._closed:
+                        break
+                    actions, self._actions = self._actions, []
+                for action, payload in actions:
+                    self._apply(action, payload)
+                if self.engine.has_work:
+                    self.engine.step()
+        except Exception as error:  # an engine bug: fail every request, keep the process alive
+            logger.exception("engine step failed")
+            failure = self._engine_error = error
+        finally:
+            self._fail_outstanding(failure or RuntimeError("the runtime was shut down"))
+
+    def _apply(self, action: str, payload: Any) -> None:
+        if action == "add":
+            for req in payload:
+                self.engine.add_request(req)
+        elif action == "abort":
+            self.engine.abort(payload)
+        elif action == "call":
+            fn, reply = payload
+            try:
+                reply.put((True, fn()))
+            except Exception as error:
+                reply.put((False, error))
+
+    def _fail_outstanding(self, reason: BaseException) -> None:
+        """Nobody waits forever: every request still running or queued gets `reason`."""
+        with self._cv:
+            self._closed = True
+            actions, self._actions = self._actions, []
+        waiting = list(self.engine.scheduler.requests())
+        for action, payload in actions:
+            if action == "add":
+                waiting.extend(payload)
+            elif action == "call":
+                payload[1].put((False, reason))
+        for req in waiting:
+            if req.on_output is not None:
+                req.on_output(reason)
+
+
+# The engine thread is a daemon so a forgotten Runtime never blocks exit, but
+# a daemon killed inside a torch op aborts the interpreter: stop them first.
+_live_drivers: weakref.WeakSet[EngineDriver] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_drivers() -> None:
+    for driver in list(_live_drivers):
+        driver.shutdown()

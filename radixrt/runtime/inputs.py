@@ -1,0 +1,129 @@
+"""What callers pass to `generate`, turned into validated `Request`s in the caller's thread.
+
+Everything here runs before a request reaches the engine thread, so bad
+input raises `ValueError` in the caller's own thread, naming the field and
+the accepted range, and the engine never sees it.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from dataclasses import dataclass
+from typing import Any, Collection, Sequence
+
+from radixrt.engine.request import Request
+from radixrt.sampling import SamplingParams
+
+PromptInput = Any  # str | list[str] | list[int] | list[list[int]] | messages | list of messages
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit: the model's vocabulary and context, and the KV pool."""
+
+    vocab_size: int
+    context_len: int
+    pool_tokens: int
+    page_size: int
+
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.context_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                f"exceeds the model's context length {self.context_len}"
+            )
+        if -(-total // self.page_size) * self.page_size > self.pool_tokens:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                f"exceeds the KV pool ({self.pool_tokens} tokens); raise max_total_tokens"
+            )
+
+
+class InputProcessor:
+    """Prompt forms to token ids (tokenizer, chat template) and token ids to requests."""
+
+    def __init__(self, tokenizer: Any, limits: RequestLimits, eos_token_ids: Collection[int]):
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def token_ids(self, prompt: PromptInput, input_ids: Any, messages: Any) -> tuple[list[list[int]], bool]:
+        """The prompts' token ids, and whether the caller gave a batch (a list of prompts)."""
+        given = [x is not None for x in (prompt, input_ids, messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, input_ids or messages")
+        if messages is not None:
+            return [self.encode_messages(messages)], False
+        if input_ids is not None:
+            prompt = input_ids
+        if isinstance(prompt, str):
+            return [self.encode_text(prompt)], False
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string, list of strings, token ids or messages")
+        first = prompt[0]
+        if isinstance(first, str):
+            return [self.encode_text(p) for p in prompt], True
+        if isinstance(first, dict):
+            return [self.encode_messages(prompt)], False
+        if isinstance(first, (list, tuple)) and first and isinstance(first[0], dict):
+            return [self.encode_messages(m) for m in prompt], True
+        if isinstance(first, (list, tuple)):
+            return [_check_ids(ids) for ids in prompt], True
+        return [_check_ids(prompt)], False
+
+    def encode_text(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def make_requests(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        logprob_start_len: int | None = None,
+    ) -> list[Request]:
+        """`params.n` requests per prompt, prompt by prompt; each is validated against the limits."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        params.validate(vocab_size=self.limits.vocab_size)
+        namespace = None if cache_salt is None else ("cache_salt", cache_salt)
+        requests = []
+        for ids in prompts:
+            if logprob_start_len is not None and not 0 <= logprob_start_len < max(len(ids), 1):
+                raise ValueError(f"logprob_start_len must be in [0, {len(ids)}), got {logprob_start_len}")
+            self.limits.check(ids, params)
+            base_seed = params.seed if params.seed is not None else random.getrandbits(62)
+            for i in range(params.n):
+                requests.append(
+                    Request(
+                        array("q", ids),
+                        params,
+                        namespace=namespace,
+                        logprob_start_len=logprob_start_len,
+                        tokenizer=self.tokenizer,
+                        eos_token_ids=self.eos_token_ids,
+                        seed=base_seed + i,
+                    )
+                )
+        return requests
+
+
+def _check_ids(ids: Any) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("input_ids must be a list of ints (or a list of such lists)")
+    return list(ids)
