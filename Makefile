@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test typecheck bench clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider
+
+typecheck: setup
+	$(BIN)/mypy radixrt
 
 bench: setup
 	$(BIN)/python bench/tree_bench.py

@@ -211,3 +211,10 @@ def test_streamed_text_is_the_truncated_full_decode(tokenizer, ids, stops, stop_
     assert text.final_text() == expected_text
     if expected_stop is not None:
         assert reason == {"type": "stop", "matched": expected_stop}
+
+
+def test_without_a_tokenizer_the_text_is_empty_and_stops_still_apply():
+    text = OutputText(None, SamplingParams(max_new_tokens=5, stop=["x"], stop_token_ids=[9]), [1, 2], {EOS})
+    assert text.append(5, 1) is None and text.take_delta() == ""
+    assert text.append(9, 2) == FinishReason.stop(9)
+    assert text.final_text() == ""

@@ -169,3 +169,32 @@ def test_every_request_completes_under_each_policy(policy):
     assert all(r.status is RequestStatus.FINISHED and len(r.output_ids) == 8 for r in reqs)
     assert scheduler.cache.tree.protected_tokens == 0
     assert scheduler.cache.pool.available + scheduler.cache.tree.total_tokens == 256
+
+
+def test_a_request_id_in_use_ends_the_new_request_and_nothing_else():
+    scheduler = make_scheduler()
+    first = request([1, 2, 3])
+    second = Request([4, 5, 6], first.params, rid=first.rid)
+    scheduler.add(first)
+    scheduler.add(second)
+    assert second.status is RequestStatus.FINISHED and second.finish_reason.type == "abort"
+    assert "already in use" in second.finish_reason.message
+    output = second.take_output()
+    assert output.finished and output.result["meta_info"]["finish_reason"]["type"] == "abort"
+    run_all(scheduler)
+    assert first.status is RequestStatus.FINISHED and len(first.output_ids) == 4
+
+
+def test_abort_frees_a_running_and_a_waiting_request():
+    scheduler = make_scheduler(max_running_requests=1)
+    running, waiting = request(list(range(50)), max_new_tokens=20), request(list(range(100, 150)))
+    scheduler.add(running)
+    scheduler.add(waiting)
+    fake_step(scheduler)
+    assert running.status is RequestStatus.RUNNING and waiting.status is RequestStatus.WAITING
+    assert scheduler.abort(running.rid, "stop") is running
+    assert scheduler.abort(waiting.rid, "stop") is waiting
+    assert scheduler.abort(waiting.rid, "stop") is None, "a finished request is not aborted twice"
+    assert not scheduler.has_work and scheduler.cache.protected_tokens == 0
+    scheduler.check_invariants()
+    assert running.take_output().result["meta_info"]["finish_reason"] == {"type": "abort", "message": "stop"}
