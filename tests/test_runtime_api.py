@@ -220,3 +220,61 @@ def test_exiting_while_a_request_runs_is_clean(tiny_llama_dir, tmp_path):
     )
     done = subprocess.run([sys.executable, str(script), str(tiny_llama_dir)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_caller_chosen_ids_name_requests_and_their_samples(rt):
+    out = rt.generate(ids(8), GREEDY, rid="job-1")
+    assert out["meta_info"]["id"] == "job-1"
+    samples = rt.generate(ids(8), {**GREEDY, "n": 2}, rid="job-2")
+    assert [s["meta_info"]["id"] for s in samples] == ["job-2-0", "job-2-1"]
+    batch = rt.generate([ids(8, 1), ids(8, 2)], GREEDY, rid=["a", "b"])
+    assert [r["meta_info"]["id"] for r in batch] == ["a", "b"]
+    assert out["meta_info"]["queue_time"] >= 0
+
+
+@pytest.mark.parametrize(
+    "rid, message",
+    [("", "non-empty string"), (["a"], "non-empty string"), (7, "non-empty string")],
+)
+def test_bad_request_ids_are_rejected(rt, rid, message):
+    with pytest.raises(ValueError, match=f"rid must be .*{message}"):
+        rt.generate(ids(8), GREEDY, rid=rid)
+
+
+def test_a_batch_needs_one_distinct_id_per_prompt(rt):
+    with pytest.raises(ValueError, match="rid"):
+        rt.generate([ids(8, 1), ids(8, 2)], GREEDY, rid=["same", "same"])
+    with pytest.raises(ValueError, match="rid"):
+        rt.generate([ids(8, 1), ids(8, 2)], GREEDY, rid=["only-one"])
+
+
+def test_aborting_a_group_id_stops_every_sample(rt):
+    chunks = rt.generate(ids(8), {"max_new_tokens": 200, "ignore_eos": True, "n": 3}, stream=True, rid="fan")
+    first = next(chunks)
+    rt.abort("fan")
+    reasons = [c["meta_info"]["finish_reason"]["type"] for c in [first, *chunks] if c["finished"]]
+    assert reasons == ["abort"] * 3
+    assert rt.cache_stats()["protected_tokens"] == 0
+
+
+def test_cancelling_an_async_call_aborts_its_request(rt):
+    async def cancel_midway() -> None:
+        task = asyncio.create_task(rt.async_generate(ids(8), {"max_new_tokens": 400, "ignore_eos": True}))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    stats = rt.cache_stats()  # served between steps, after the abort was applied
+    assert stats["running_requests"] == 0 and stats["protected_tokens"] == 0
+
+
+def test_async_stream_yields_the_same_text_as_generate(rt):
+    async def stream() -> list[dict]:
+        return [chunk async for chunk in await rt.async_generate(ids(12, 3), GREEDY, stream=True)]
+
+    chunks = asyncio.run(stream())
+    expected = rt.generate(ids(12, 3), GREEDY)
+    assert "".join(c["text"] for c in chunks) == expected["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == expected["output_ids"]

@@ -192,9 +192,22 @@ def test_abort_frees_a_running_and_a_waiting_request():
     scheduler.add(waiting)
     fake_step(scheduler)
     assert running.status is RequestStatus.RUNNING and waiting.status is RequestStatus.WAITING
-    assert scheduler.abort(running.rid, "stop") is running
-    assert scheduler.abort(waiting.rid, "stop") is waiting
-    assert scheduler.abort(waiting.rid, "stop") is None, "a finished request is not aborted twice"
+    assert scheduler.abort(running.rid, "stop") == [running]
+    assert scheduler.abort(waiting.rid, "stop") == [waiting]
+    assert scheduler.abort(waiting.rid, "stop") == [], "a finished request is not aborted twice"
     assert not scheduler.has_work and scheduler.cache.protected_tokens == 0
     scheduler.check_invariants()
     assert running.take_output().result["meta_info"]["finish_reason"] == {"type": "abort", "message": "stop"}
+
+
+def test_abort_by_group_id_ends_every_sample_of_a_prompt():
+    scheduler = make_scheduler()
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    samples = [Request([1, 2, 3], params, rid=f"job-{i}", group="job") for i in range(3)]
+    other = Request([1, 2, 3], params, rid="other")
+    for req in samples + [other]:
+        scheduler.add(req)
+    fake_step(scheduler)
+    assert set(scheduler.abort("job", "stop")) == set(samples)
+    assert list(scheduler.requests()) == [other]
+    scheduler.check_invariants()

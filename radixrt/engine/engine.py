@@ -51,12 +51,11 @@ class Engine:
         _report(req)  # a request the scheduler refused reports its end now
 
     def abort(self, rid: str) -> bool:
-        """Stop a request and free everything it holds; False if it is unknown or done."""
-        req = self.scheduler.abort(rid, "aborted by the caller")
-        if req is None:
-            return False
-        _report(req)
-        return True
+        """Stop a request (or all requests of a group id) and free what it holds; False if unknown or done."""
+        aborted = self.scheduler.abort(rid, "aborted by the caller")
+        for req in aborted:
+            _report(req)
+        return bool(aborted)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix and reset the hit counters (only when idle)."""
@@ -73,6 +72,8 @@ class Engine:
             "hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "computed_tokens": self.num_computed_tokens,
             "retracted_requests": self.num_retracted,
+            "running_requests": len(self.scheduler.running),
+            "waiting_requests": len(self.scheduler.waiting),
         }
         stats.update(self.cache.stats())
         return stats

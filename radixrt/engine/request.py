@@ -18,9 +18,9 @@ Who writes which field (everyone else only reads):
 
     field                                        written by
     -------------------------------------------  ---------------------------------------------
-    prompt_ids, params, rid, namespace, seed,    the caller's thread, once, before submission
-      logprob_start_len, on_output
-    status, num_retractions                      Scheduler (which queue the request is in)
+    prompt_ids, params, rid, group, namespace,   the caller's thread, once, before submission
+      seed, logprob_start_len, on_output
+    status, num_retractions, admitted_s          Scheduler (which queue the request is in)
     slots, cached_len, last_node, cached_tokens  CacheManager (admit, cache_computed, release)
     num_computed                                 CacheManager on admit/release; Scheduler.postprocess
                                                    as the step's tokens are computed
@@ -198,6 +198,7 @@ class Request:
     prompt_ids: array  # int64; a list given here is converted
     params: SamplingParams
     rid: str = ""
+    group: str = ""  # the id the caller gave to all `n` samples of a prompt; aborting it aborts them all
     namespace: Hashable = None
     # Positions from which the prompt's own token log-probabilities are wanted
     # (scoring); None when not wanted.
@@ -225,6 +226,7 @@ class Request:
     num_retractions: int = 0
 
     created_s: float = field(default_factory=time.perf_counter)
+    admitted_s: float | None = None  # first admission: the end of its wait in the queue
     first_token_s: float | None = None
     finished_s: float | None = None
 
@@ -236,6 +238,8 @@ class Request:
                 raise ValueError("input_ids: token ids must be ints in [0, 2**63)") from None
         if not self.rid:
             self.rid = f"req-{self.arrival_index}"
+        if not self.group:
+            self.group = self.rid
         self._text = OutputText(self.tokenizer, self.params, self.prompt_ids, self.eos_token_ids)
         self._new_token_ids: list[int] = []
         self._reported_finish = False
@@ -328,6 +332,7 @@ class Request:
             "finish_reason": self.finish_reason.to_dict(),
             "ttft": (self.first_token_s or self.finished_s) - self.created_s,
             "e2e_latency": self.finished_s - self.created_s,
+            "queue_time": (self.admitted_s or self.finished_s) - self.created_s,
         }
         if self.params.return_logprob:
             meta["output_token_logprobs"] = list(self.output_logprobs)

@@ -22,6 +22,7 @@ computing it a second time.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Sequence
 
@@ -105,6 +106,8 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
+            if req.admitted_s is None:
+                req.admitted_s = time.perf_counter()
             self.running.append(req)
             batch.items.append((req, num))
             batch.admitted.append(req)
@@ -141,20 +144,23 @@ class Scheduler:
             elif num > 1 or just_admitted:
                 self.cache.cache_computed(req)  # the prompt is computed: let others hit it now
 
-    def abort(self, rid: str, message: str) -> Request | None:
-        """End a waiting or running request and free what it holds; None if unknown or finished."""
-        req = self._by_id.get(rid)
-        if req is None:
-            return None
-        if req.status is RequestStatus.RUNNING:
-            self.cache.release(req)
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
-        req.finish(FinishReason.abort(message))
-        req.status = RequestStatus.FINISHED
-        del self._by_id[rid]
-        return req
+    def abort(self, rid: str, message: str) -> list[Request]:
+        """End the unfinished requests with this id or group id and free what they hold.
+
+        Returns them (none when the id is unknown or its requests are done),
+        so an abort is idempotent.
+        """
+        aborted = [r for r in self._by_id.values() if r.rid == rid or r.group == rid]
+        for req in aborted:
+            if req.status is RequestStatus.RUNNING:
+                self.cache.release(req)
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.finish(FinishReason.abort(message))
+            req.status = RequestStatus.FINISHED
+            del self._by_id[req.rid]
+        return aborted
 
     def _finish(self, req: Request) -> None:
         """A running request is done: give its KV to the cache and forget it."""

@@ -16,7 +16,7 @@ from radixrt.config import RuntimeConfig
 from radixrt.engine.engine import Engine
 from radixrt.engine.request import Request, RequestOutput
 from radixrt.runtime.driver import EngineDriver, build_engine
-from radixrt.runtime.inputs import InputProcessor, PromptInput
+from radixrt.runtime.inputs import InputProcessor, PromptInput, normalise_rids
 from radixrt.sampling import SamplingParams
 
 _Outputs = queue.Queue  # of RequestOutput | BaseException, filled on the engine thread
@@ -50,6 +50,7 @@ class Runtime:
         messages: Sequence[dict] | None = None,
         cache_salt: str | None = None,
         logprob_start_len: int | None = None,
+        rid: str | Sequence[str] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Complete one prompt (a dict) or a list of prompts (a list of dicts, in order).
 
@@ -62,11 +63,12 @@ class Runtime:
         `cache_salt` puts the request in its own cache namespace.
         `logprob_start_len` asks for the prompt tokens' log-probabilities from
         that position on (in meta_info["input_token_logprobs"]).
+        `rid` names the request (a list: one id per prompt); with `n > 1` the
+        samples are `rid-0`, `rid-1`, ... and `abort(rid)` stops them all.
         """
-        prompts, is_batch = self.inputs.token_ids(prompt, input_ids, messages)
-        params = SamplingParams.from_any(sampling_params)
-        requests = self.inputs.make_requests(prompts, params, cache_salt, logprob_start_len)
-        many = is_batch or params.n > 1
+        requests, many = self._prepare(
+            prompt, sampling_params, input_ids, messages, cache_salt, logprob_start_len, rid
+        )
         outputs: _Outputs = queue.Queue()
         for req in requests:
             req.on_output = outputs.put
@@ -76,15 +78,65 @@ class Runtime:
         results = _collect(requests, outputs)
         return results if many else results[0]
 
-    async def async_generate(self, *args: Any, **kwargs: Any) -> dict | list[dict] | AsyncIterator[dict]:
-        """`generate` for asyncio callers; with stream=True, returns an async iterator of chunks."""
-        if not kwargs.get("stream", len(args) > 2 and args[2]):
-            result = await asyncio.to_thread(self.generate, *args, **kwargs)
-            assert not isinstance(result, Iterator)
-            return result
-        chunks = self.generate(*args, **kwargs)
-        assert isinstance(chunks, Iterator)
-        return _async_iterate(chunks)
+    async def async_generate(
+        self,
+        prompt: PromptInput = None,
+        sampling_params: SamplingParams | dict | None = None,
+        stream: bool = False,
+        *,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        messages: Sequence[dict] | None = None,
+        cache_salt: str | None = None,
+        logprob_start_len: int | None = None,
+        rid: str | Sequence[str] | None = None,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        """`generate` for asyncio callers; with stream=True, returns an async iterator of chunks.
+
+        Tokenizing and validation run in a worker thread, so a long prompt or
+        chat template never blocks the event loop; outputs reach the loop
+        from the engine thread without a thread hop per chunk. Cancelling the
+        awaiting task (or closing the iterator early) aborts the requests.
+        """
+        requests, many = await asyncio.to_thread(
+            self._prepare, prompt, sampling_params, input_ids, messages, cache_salt, logprob_start_len, rid
+        )
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+        def deliver(item: RequestOutput | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed: nobody waits for this any more
+                pass
+
+        for req in requests:
+            req.on_output = deliver
+        self._driver.submit(requests)
+        if stream:
+            return self._astream(requests, outputs)
+        try:
+            results = await _acollect(requests, outputs)
+        except BaseException:
+            self._abort_all(requests)
+            raise
+        return results if many else results[0]
+
+    def _prepare(
+        self,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | dict | None,
+        input_ids: Any,
+        messages: Any,
+        cache_salt: str | None,
+        logprob_start_len: int | None,
+        rid: Any,
+    ) -> tuple[list[Request], bool]:
+        """Validated requests for one call, and whether it returns a list (a batch or n > 1)."""
+        prompts, is_batch = self.inputs.token_ids(prompt, input_ids, messages)
+        params = SamplingParams.from_any(sampling_params)
+        rids = normalise_rids(rid, is_batch, len(prompts))
+        requests = self.inputs.make_requests(prompts, params, cache_salt, logprob_start_len, rids)
+        return requests, is_batch or params.n > 1
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its caller gets finish_reason {"type": "abort"}."""
@@ -121,16 +173,48 @@ class Runtime:
                 yield output.chunk(index_of[output.rid])
         finally:
             if remaining:  # the caller stopped reading: free what its requests hold
-                for req in requests:
-                    self.abort(req.rid)
+                self._abort_all(requests)
+
+    async def _astream(
+        self, requests: list[Request], outputs: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[dict]:
+        index_of = {r.rid: i for i, r in enumerate(requests)}
+        remaining = len(requests)
+        try:
+            while remaining:
+                output = _checked(await outputs.get())
+                remaining -= output.finished
+                yield output.chunk(index_of[output.rid])
+        finally:
+            if remaining:
+                self._abort_all(requests)
+
+    def _abort_all(self, requests: list[Request]) -> None:
+        """Abort every request of a call; a runtime already shut down has nothing left to free."""
+        try:
+            for req in requests:
+                self._driver.abort(req.rid)
+        except RuntimeError:
+            pass
+
+
+def _checked(item: RequestOutput | BaseException) -> RequestOutput:
+    if isinstance(item, BaseException):
+        raise RuntimeError(f"the request did not complete: {item}") from item
+    return item
+
+
+async def _acollect(requests: list[Request], outputs: asyncio.Queue[RequestOutput | BaseException]) -> list[dict]:
+    results: dict[str, dict] = {}
+    while len(results) < len(requests):
+        output = _checked(await outputs.get())
+        if output.result is not None:
+            results[output.rid] = output.result
+    return [results[r.rid] for r in requests]
 
 
 def _next_output(outputs: _Outputs) -> RequestOutput:
-    item = outputs.get()
-    if isinstance(item, BaseException):
-        raise RuntimeError(f"the request did not complete: {item}") from item
-    assert isinstance(item, RequestOutput)
-    return item
+    return _checked(outputs.get())
 
 
 def _collect(requests: list[Request], outputs: _Outputs) -> list[dict]:
@@ -141,11 +225,3 @@ def _collect(requests: list[Request], outputs: _Outputs) -> list[dict]:
             results[output.rid] = output.result
     return [results[r.rid] for r in requests]
 
-
-async def _async_iterate(chunks: Iterator[dict]) -> AsyncIterator[dict]:
-    sentinel: Any = object()
-    while True:
-        chunk = await asyncio.to_thread(next, chunks, sentinel)
-        if chunk is sentinel:
-            return
-        yield chunk

@@ -96,23 +96,33 @@ class InputProcessor:
         params: SamplingParams,
         cache_salt: str | None = None,
         logprob_start_len: int | None = None,
+        rids: Sequence[str] | None = None,
     ) -> list[Request]:
-        """`params.n` requests per prompt, prompt by prompt; each is validated against the limits."""
+        """`params.n` requests per prompt, prompt by prompt; each is validated against the limits.
+
+        `rids[i]` names prompt i's request; with `n > 1` its samples are
+        `rids[i]-0`, `rids[i]-1`, ... and `rids[i]` aborts them all.
+        """
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if rids is not None and len(rids) != len(prompts):
+            raise ValueError(f"rid must give one id per prompt ({len(prompts)}), got {len(rids)}")
         params.validate(vocab_size=self.limits.vocab_size)
         namespace = None if cache_salt is None else ("cache_salt", cache_salt)
         requests = []
-        for ids in prompts:
+        for index, ids in enumerate(prompts):
             if logprob_start_len is not None and not 0 <= logprob_start_len < max(len(ids), 1):
                 raise ValueError(f"logprob_start_len must be in [0, {len(ids)}), got {logprob_start_len}")
             self.limits.check(ids, params)
             base_seed = params.seed if params.seed is not None else random.getrandbits(62)
+            group = rids[index] if rids is not None else ""
             for i in range(params.n):
                 requests.append(
                     Request(
                         array("q", ids),
                         params,
+                        rid=f"{group}-{i}" if group and params.n > 1 else group,
+                        group=group,
                         namespace=namespace,
                         logprob_start_len=logprob_start_len,
                         tokenizer=self.tokenizer,
@@ -121,6 +131,19 @@ class InputProcessor:
                     )
                 )
         return requests
+
+
+def normalise_rids(rid: Any, is_batch: bool, num_prompts: int) -> list[str] | None:
+    """The caller's request ids as one per prompt: a string for one prompt, a list for a batch."""
+    if rid is None:
+        return None
+    rids = rid if is_batch and isinstance(rid, (list, tuple)) else [rid]
+    if len(rids) != num_prompts or not all(isinstance(r, str) and r for r in rids):
+        expected = f"a list of {num_prompts} non-empty strings" if is_batch else "a non-empty string"
+        raise ValueError(f"rid must be {expected}, got {rid!r}")
+    if len(set(rids)) != len(rids):
+        raise ValueError(f"rid must not repeat an id within one call, got {rid!r}")
+    return list(rids)
 
 
 def _check_ids(ids: Any) -> list[int]:
