@@ -8,7 +8,8 @@ cheap: the suite loads models only when `suite.main` runs.
     prompts    deterministic, seeded text (passages, questions, chat turns)
     workloads  the workloads' inputs, tokenized with the model's tokenizer
     drivers    how each workload issues its requests to a system
-    systems    radixrt (cache on / off) behind one small interface
+    system_api the interface every system implements, and the Completion it returns
+    systems    radixrt (cache on / off), and every system by name
     hf_system  Hugging Face transformers `generate`, the baseline
     metrics    per-repetition figures and their medians
     report     JSON, Markdown and machine description

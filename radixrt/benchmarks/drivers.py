@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from radixrt.benchmarks import programs
-from radixrt.benchmarks.systems import Completion, System
+from radixrt.benchmarks.system_api import Completion, System
 from radixrt.benchmarks.workloads import Workload, chat_prompt
 
 

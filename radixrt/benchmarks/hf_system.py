@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from radixrt.benchmarks.systems import Completion, resolved_device
+from radixrt.benchmarks.system_api import Completion, resolved_device
 from radixrt.benchmarks.workloads import Sampling
 
 
@@ -50,7 +50,10 @@ class TransformersSystem:
         resolved = resolve_device(resolved_device(device))
         self.device = resolved
         self.dtype = resolve_dtype(dtype, resolved)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(resolved).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype)
+        # transformers wraps `to` in functools.wraps, which typeshed types as a plain callable
+        # (not a method), so mypy takes the device for `self`.
+        self.model = model.to(resolved).eval()  # type: ignore[arg-type]
         tokenizer = AutoTokenizer.from_pretrained(folder)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = 0 if pad is None else int(pad)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixrt.benchmarks.systems import Completion, completion_of_meta
+from radixrt.benchmarks.system_api import Completion, completion_of_meta
 from radixrt.benchmarks.workloads import Workload
 from radixrt.lang import ProgramState, function, gen
 

@@ -30,7 +30,8 @@ from radixrt.benchmarks import report as reporting
 from radixrt.benchmarks.drivers import prime, run_workload
 from radixrt.benchmarks.metrics import RepMetrics, summarize
 from radixrt.benchmarks.plots import write_plots
-from radixrt.benchmarks.systems import SYSTEM_NAMES, System, make_system, model_folder, resolved_device
+from radixrt.benchmarks.system_api import System, resolved_device
+from radixrt.benchmarks.systems import SYSTEM_NAMES, make_system, model_folder
 from radixrt.benchmarks.workloads import FULL, QUICK, WORKLOAD_NAMES, Sampling, Workload, build_workloads
 
 
@@ -92,8 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            args.page_size))
                 _warm_up(systems[-1], workloads)
             for workload in workloads:
-                for system, summary in _measure(systems, workload, tokenizer, reps).items():
-                    report["results"][workload.name][system] = summary
+                for system_name, summary in _measure(systems, workload, tokenizer, reps).items():
+                    report["results"][workload.name][system_name] = summary
                 _finish(report, args.out, started, plots=False)  # a crash later keeps what is done
         finally:
             for system in systems:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from radixrt.benchmarks import prompts
 from radixrt.demo import table_prompt, table_rows
@@ -118,7 +118,7 @@ class Workload:
         return self.prompts[0][: common_prefix_len(self.prompts)] if self.prompts else ()
 
 
-def common_prefix_len(sequences: tuple[tuple[int, ...], ...] | list[list[int]]) -> int:
+def common_prefix_len(sequences: Sequence[Sequence[int]]) -> int:
     first = sequences[0]
     length = len(first)
     for other in sequences[1:]:

@@ -31,12 +31,13 @@ class Executor:
         self.threaded = threaded
         self._changed = changed
         self._label = label
-        self._queue: deque[Callable[[], None]] = deque()
+        self._queue: deque[Callable[[], object]] = deque()
         self._busy = False
         self.error: BaseException | None = None
         self.error_reported = False  # raised to some reader, so the end of the program need not
 
-    def submit(self, operation: Callable[[], None]) -> None:
+    def submit(self, operation: Callable[[], object]) -> None:
+        """Run `operation` now (inline) or queue it (threaded); what it returns is dropped."""
         self.raise_if_failed()
         if not self.threaded:
             operation()

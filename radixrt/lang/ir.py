@@ -78,7 +78,7 @@ def gen(
     _check_name("gen", name)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
         raise ValueError(f"gen({name!r}): max_tokens must be an int >= 0, got {max_tokens!r}")
-    given = {
+    given: dict[str, Any] = {
         "max_new_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "min_p": min_p, "frequency_penalty": frequency_penalty,
         "presence_penalty": presence_penalty, "repetition_penalty": repetition_penalty, "seed": seed,

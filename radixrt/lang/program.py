@@ -49,7 +49,8 @@ class Program:
         self._signature = inspect.signature(func)
         if not self._signature.parameters:
             raise TypeError(f"{func.__name__} must take the program state as its first parameter")
-        functools.update_wrapper(self, func)
+        # typeshed wants a callable wrapper; update_wrapper only copies attributes, which any object takes.
+        functools.update_wrapper(self, func)  # type: ignore[arg-type]
 
     def run(self, *args: Any, runtime: Any = None, stream: bool = False, **kwargs: Any) -> ProgramState:
         """Run the program once and return its final state.

@@ -40,7 +40,7 @@ class ProgramState:
         self._executor = Executor(threaded, ctx.changed, label)
         self._parent = parent
         self._family: list[ProgramState] = [] if family is None else family
-        self._family_lock = threading.Lock() if parent is None else parent._family_lock
+        self._family_lock: threading.Lock = threading.Lock() if parent is None else parent._family_lock
 
     # --- writing -------------------------------------------------------------------
     def __iadd__(self, expr: Any) -> ProgramState:

@@ -30,6 +30,11 @@ class PagePool:
     kernels can address them by page index.
     """
 
+    # Declared here: `_free_all`, which __init__ and `reset` share, sets them.
+    _free_pages: torch.Tensor
+    _num_free: int
+    _is_free: torch.Tensor
+
     def __init__(self, num_pages: int, page_size: int = 1):
         if not isinstance(num_pages, int) or num_pages < 1:
             raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
@@ -37,12 +42,8 @@ class PagePool:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.num_pages = num_pages
         self.page_size = page_size
-        # Stack of free page ids; pop from the end. Lower ids are handed out
-        # first, which keeps a fresh pool's slots contiguous.
-        self._free_pages = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64)
-        self._num_free = num_pages
-        self._is_free = torch.ones(num_pages, dtype=torch.bool)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
+        self._free_all()
 
     @property
     def num_slots(self) -> int:
@@ -110,7 +111,14 @@ class PagePool:
 
     def reset(self) -> None:
         """Mark every page free (the caller drops every other owner first)."""
-        self.__init__(self.num_pages, self.page_size)
+        self._free_all()
+
+    def _free_all(self) -> None:
+        # Stack of free page ids; pop from the end. Lower ids are handed out
+        # first, which keeps a fresh pool's slots contiguous.
+        self._free_pages = torch.arange(self.num_pages - 1, -1, -1, dtype=torch.int64)
+        self._num_free = self.num_pages
+        self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
 
     def check_invariants(self) -> None:
         free = self._free_pages[: self._num_free]

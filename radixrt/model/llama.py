@@ -114,6 +114,7 @@ class LlamaForCausalLM(nn.Module):
     def prepack(self) -> None:
         """Call once the weights are loaded: faster projections, identical results."""
         for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
             layer.prepack()
         self._lm_head = linear.pack(self.lm_head)
 
@@ -169,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
         kv_rows = config.num_kv_heads * config.head_dim
         qkv_slices = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows)}
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, LlamaDecoderLayer)
             prefix = f"model.layers.{i}."
             loader.copy(layer.input_norm, prefix + "input_layernorm.weight")
             loader.copy(layer.post_attention_norm, prefix + "post_attention_layernorm.weight")

@@ -108,7 +108,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     Defaults: on a CPU `default_cpu_dtype()`; on a GPU bfloat16 where
     supported, else float16. ValueError lists the dtypes the device supports.
     """
-    supported = _CPU_DTYPES if device.type == "cpu" else _CUDA_DTYPES
+    supported: tuple[torch.dtype, ...] = _CPU_DTYPES if device.type == "cpu" else _CUDA_DTYPES
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         supported = tuple(d for d in supported if d != torch.bfloat16)
     names = ", ".join(str(d).removeprefix("torch.") for d in supported)

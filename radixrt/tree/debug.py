@@ -1,32 +1,43 @@
 """Integrity check and readable dump of a RadixTree.
 
 Kept apart from the tree's hot paths: both walk every node, and tests call
-`check_invariants` after every step.
+`check_invariants` after every step. The tree hands over its parts
+explicitly, so this module needs nothing from the tree's own module.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Hashable, Mapping
 
 import torch
 
 from radixrt.tree.keys import TOKEN_BYTES, unpack_slots
 from radixrt.tree.node import TreeNode
 
-if TYPE_CHECKING:
-    from radixrt.tree.radix_tree import RadixTree
+LruEntry = tuple[int, int, TreeNode]
+"""An evictable leaf as the tree files it: (lru_stamp, node_id, node)."""
 
 _SHOWN_HEAD = 4
 _SHOWN_TAIL = 2
 
 
-def check_invariants(tree: RadixTree) -> None:
-    """Assert the tree's structure, sizes, locks, LRU index and slot ownership."""
-    page_bytes = tree._page_bytes
+def check_invariants(
+    roots: Mapping[Hashable, TreeNode],
+    lru: Collection[LruEntry],
+    *,
+    page_size: int,
+    evictable_tokens: int,
+    protected_tokens: int,
+) -> None:
+    """Assert the tree's structure, sizes, locks, LRU index and slot ownership.
+
+    The counters are the tree's running totals, checked against a recount.
+    """
+    page_bytes = page_size * TOKEN_BYTES
     seen: set[int] = set()
     slots: list[bytes] = []
     evictable = protected = filed = 0
-    for namespace, root in tree._roots.items():
+    for namespace, root in roots.items():
         assert root.parent is None and root.key == b"" and root.num_tokens == 0
         assert root.namespace == namespace or root.namespace is namespace
         _check_lock_counts(root)
@@ -57,10 +68,10 @@ def check_invariants(tree: RadixTree) -> None:
                     filed += 1
                 slots.append(child.slots)
                 stack.append(child)
-    assert evictable == tree._evictable_tokens, "evictable_tokens is off"
-    assert protected == tree._protected_tokens, "protected_tokens is off"
-    assert len(tree._lru) == filed, "LRU list and node stamps disagree"
-    for stamp, node_id, node in tree._lru:
+    assert evictable == evictable_tokens, "evictable_tokens is off"
+    assert protected == protected_tokens, "protected_tokens is off"
+    assert len(lru) == filed, "LRU list and node stamps disagree"
+    for stamp, node_id, node in lru:
         assert node.lru_stamp == stamp and node.node_id == node_id and node_id in seen
     all_slots = unpack_slots(slots)
     assert torch.unique(all_slots).numel() == all_slots.numel(), "a slot is held twice"
@@ -74,15 +85,17 @@ def _check_lock_counts(node: TreeNode) -> None:
     assert node.lock_ref == node.own_lock_ref + below, "lock counts do not add up"
 
 
-def pretty(tree: RadixTree) -> str:
+def pretty(
+    roots: Mapping[Hashable, TreeNode], *, page_size: int, evictable_tokens: int, protected_tokens: int
+) -> str:
     """One line per node, indented as a tree, children ordered by first token."""
     lines = [
         (
-            f"RadixTree(page_size={tree.page_size}): {tree.total_tokens} tokens, "
-            f"{tree.evictable_tokens} evictable, {tree.protected_tokens} protected"
+            f"RadixTree(page_size={page_size}): {evictable_tokens + protected_tokens} tokens, "
+            f"{evictable_tokens} evictable, {protected_tokens} protected"
         )
     ]
-    for namespace, root in tree._roots.items():
+    for namespace, root in roots.items():
         lines.append(f"namespace {namespace!r}: root lock={root.lock_ref}")
         _pretty_children(root, "", lines)
     return "\n".join(lines)

@@ -241,11 +241,22 @@ class RadixTree:
     # ------------------------------------------------------------- debugging
     def check_invariants(self) -> None:
         """Assert every structural invariant (see `radixrt.tree.debug`)."""
-        debug.check_invariants(self)
+        debug.check_invariants(
+            self._roots,
+            self._lru,
+            page_size=self.page_size,
+            evictable_tokens=self._evictable_tokens,
+            protected_tokens=self._protected_tokens,
+        )
 
     def pretty(self) -> str:
         """A readable dump: abbreviated tokens, sizes, lock counts, access times."""
-        return debug.pretty(self)
+        return debug.pretty(
+            self._roots,
+            page_size=self.page_size,
+            evictable_tokens=self._evictable_tokens,
+            protected_tokens=self._protected_tokens,
+        )
 
     # ------------------------------------------------------------- internals
     def _whole_pages(self, packed: Packed) -> Packed:
@@ -276,9 +287,10 @@ class RadixTree:
         `child` (and any handle to it) keeps ending where it ended.
         """
         matched = matched_bytes // TOKEN_BYTES
-        key, page_bytes = child.key, self._page_bytes
+        key, page_bytes, parent = child.key, self._page_bytes, child.parent
+        assert parent is not None, "walk cuts only edges below a root"
         upper = TreeNode(
-            child.parent,
+            parent,
             key[:matched_bytes],
             child.slots[:matched_bytes],
             child.last_access,
@@ -286,7 +298,7 @@ class RadixTree:
         )
         upper.lock_ref = child.lock_ref
         upper.children[key[matched_bytes : matched_bytes + page_bytes]] = child
-        child.parent.children[key[:page_bytes]] = upper
+        parent.children[key[:page_bytes]] = upper
         child.parent = upper
         child.key = key[matched_bytes:]
         child.slots = child.slots[matched_bytes:]
