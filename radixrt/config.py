@@ -97,6 +97,9 @@ class RuntimeConfig:
         if not (self.device in DEVICES or str(self.device).startswith("cuda:")):
             raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
 
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "RuntimeConfig":
         known = {f.name for f in dataclasses.fields(cls)}

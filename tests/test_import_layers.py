@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("radixrt.model", "radixrt.sampling.sampler", "radixrt.config"),
     ("radixrt.engine",),
     ("radixrt.runtime",),
-    ("radixrt.lang",),
+    ("radixrt.lang", "radixrt.server"),
     ("radixrt.demo", "radixrt.cli", "radixrt.benchmarks"),
 ]
 

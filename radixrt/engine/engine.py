@@ -36,6 +36,7 @@ class Engine:
         self.sampler = Sampler()
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens the model actually ran, all requests together
+        self.num_generated_tokens = 0
         self.num_retracted = 0
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
@@ -71,6 +72,7 @@ class Engine:
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "computed_tokens": self.num_computed_tokens,
+            "generated_tokens": self.num_generated_tokens,
             "retracted_requests": self.num_retracted,
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
@@ -106,7 +108,9 @@ class Engine:
                 self.prompt_tokens += len(req.prompt_ids)
                 self.cached_prompt_tokens += req.cached_len
         plan.record_prompt_logprobs(logits)
-        self.scheduler.postprocess(batch, plan.sample(logits, self.sampler))
+        next_tokens = plan.sample(logits, self.sampler)
+        self.num_generated_tokens += sum(token is not None for token in next_tokens)
+        self.scheduler.postprocess(batch, next_tokens)
         for req, _ in batch.items:
             _report(req)
         if self.config.check_invariants:

@@ -25,6 +25,7 @@ from radixrt.sampling.sampler import Sampler
 class NextToken(NamedTuple):
     token_id: int
     logprob: float  # under the penalised distribution at temperature 1 (see SampleOutput)
+    top_logprobs: list[tuple[int, float]] | None = None  # (token, logprob), most likely first
 
 
 @dataclass
@@ -85,6 +86,7 @@ class LogitPlan:
             [r.prompt_ids for r in reqs],
             [r.output_ids for r in reqs],
         )
-        for index, token_id, logprob in zip(chosen, out.token_ids.tolist(), out.logprobs.tolist()):
-            tokens[index] = NextToken(token_id, logprob)
+        top: Sequence[list[tuple[int, float]] | None] = out.top_logprobs or [None] * len(reqs)
+        for index, token_id, logprob, alternatives in zip(chosen, out.token_ids.tolist(), out.logprobs.tolist(), top):
+            tokens[index] = NextToken(token_id, logprob, alternatives)
         return tokens

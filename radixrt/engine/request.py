@@ -25,8 +25,9 @@ Who writes which field (everyone else only reads):
     num_computed                                 CacheManager on admit/release; Scheduler.postprocess
                                                    as the step's tokens are computed
     prompt_logprobs                              LogitPlan (prompt scoring), cleared on admit
-    output_ids, output_logprobs, finish_reason,  the request's own `append_token` / `finish`,
-      first_token_s, finished_s, the text          called by Scheduler.postprocess and abort
+    output_ids, output_logprobs,                 the request's own `append_token` / `finish`,
+      output_top_logprobs, finish_reason,          called by Scheduler.postprocess and abort
+      first_token_s, finished_s, the text
 
 The output side lives here too: `OutputText` turns sampled tokens into the
 text a caller may see so far and judges stop tokens and stop strings;
@@ -91,8 +92,8 @@ def token_finish_reason(
     """
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return FinishReason.stop(token_id)
-    if num_output_tokens >= params.max_new_tokens:
-        return FinishReason.at_length(params.max_new_tokens)
+    if num_output_tokens >= params.token_limit:
+        return FinishReason.at_length(params.token_limit)
     return None
 
 
@@ -213,6 +214,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: array = field(default_factory=lambda: array("q"))
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     arrival_index: int = field(default_factory=lambda: next(_request_counter))
@@ -240,6 +242,8 @@ class Request:
             self.rid = f"req-{self.arrival_index}"
         if not self.group:
             self.group = self.rid
+        if self.params.max_new_tokens is None:
+            raise ValueError("max_new_tokens must be resolved for the prompt before a Request is made")
         self._text = OutputText(self.tokenizer, self.params, self.prompt_ids, self.eos_token_ids)
         self._new_token_ids: list[int] = []
         self._reported_finish = False
@@ -273,7 +277,7 @@ class Request:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+        return max(self.params.token_limit - len(self.output_ids), 0)
 
     def max_prefix_match(self) -> int:
         """How much of fill_ids may come from the cache.
@@ -288,12 +292,16 @@ class Request:
         return limit
 
     # --- output -----------------------------------------------------------------
-    def append_token(self, token_id: int, logprob: float) -> None:
+    def append_token(
+        self, token_id: int, logprob: float, top_logprobs: list[tuple[int, float]] | None = None
+    ) -> None:
         """Add a sampled token; sets `finish_reason` when it ends the request."""
         self.output_ids.append(token_id)
         self._new_token_ids.append(token_id)
         if self.params.return_logprob:
             self.output_logprobs.append(logprob)
+        if self.params.top_logprobs_num:
+            self.output_top_logprobs.append(top_logprobs or [])
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
         reason = self._text.append(token_id, len(self.output_ids))
@@ -336,6 +344,8 @@ class Request:
         }
         if self.params.return_logprob:
             meta["output_token_logprobs"] = list(self.output_logprobs)
+        if self.params.top_logprobs_num:
+            meta["output_top_logprobs"] = [list(top) for top in self.output_top_logprobs]
         if self.logprob_start_len is not None:
             meta["input_token_logprobs"] = list(self.prompt_logprobs)
         return {"text": self._text.final_text(), "output_ids": list(self.output_ids), "meta_info": meta}

@@ -136,9 +136,9 @@ class Scheduler:
                 self.cache.cache_computed(req)
                 continue
             if token is None:
-                req.finish(FinishReason.at_length(req.params.max_new_tokens))
+                req.finish(FinishReason.at_length(req.params.token_limit))
             else:
-                req.append_token(token.token_id, token.logprob)
+                req.append_token(token.token_id, token.logprob, token.top_logprobs)
             if req.finish_reason is not None:
                 self._finish(req)
             elif num > 1 or just_admitted:

@@ -153,6 +153,10 @@ class Runtime:
         self._driver.call(self.engine.flush_cache)
 
     # --- lifecycle ---------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        """True while the engine thread runs and has not stopped on an error."""
+        return self._driver.is_alive()
+
     def shutdown(self) -> None:
         self._driver.shutdown()
 

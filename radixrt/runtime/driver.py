@@ -133,6 +133,10 @@ class EngineDriver:
             raise value
         return value
 
+    def is_alive(self) -> bool:
+        with self._cv:
+            return self._thread.is_alive() and not self._closed and self._engine_error is None
+
     def shutdown(self) -> None:
         with self._cv:
             self._closed = True

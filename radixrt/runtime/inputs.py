@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Collection, Sequence
 
 from radixrt.engine.request import Request
@@ -27,13 +27,18 @@ class RequestLimits:
     pool_tokens: int
     page_size: int
 
+    def room(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt of this length may generate: what the context and the pool leave."""
+        pool = self.pool_tokens // self.page_size * self.page_size
+        return max(min(self.context_len, pool) - num_prompt_tokens, 0)
+
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
         if not prompt:
             raise ValueError("prompt is empty: give at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        total = len(prompt) + params.max_new_tokens
+        total = len(prompt) + params.token_limit
         if total > self.context_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
@@ -113,14 +118,17 @@ class InputProcessor:
         for index, ids in enumerate(prompts):
             if logprob_start_len is not None and not 0 <= logprob_start_len < max(len(ids), 1):
                 raise ValueError(f"logprob_start_len must be in [0, {len(ids)}), got {logprob_start_len}")
-            self.limits.check(ids, params)
+            prompt_params = params
+            if params.max_new_tokens is None:
+                prompt_params = replace(params, max_new_tokens=self.limits.room(len(ids)))
+            self.limits.check(ids, prompt_params)
             base_seed = params.seed if params.seed is not None else random.getrandbits(62)
             group = rids[index] if rids is not None else ""
             for i in range(params.n):
                 requests.append(
                     Request(
                         array("q", ids),
-                        params,
+                        prompt_params,
                         rid=f"{group}-{i}" if group and params.n > 1 else group,
                         group=group,
                         namespace=namespace,

@@ -64,7 +64,7 @@ class SamplingParams:
     adds the checks that do.
     """
 
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None: as many as the context and the KV pool leave
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -78,6 +78,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     return_logprob: bool = False
+    top_logprobs_num: int = 0
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -87,7 +88,7 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first field outside its accepted range."""
-        if _int("max_new_tokens", self.max_new_tokens, ">= 0") < 0:
+        if self.max_new_tokens is not None and _int("max_new_tokens", self.max_new_tokens, ">= 0 or None") < 0:
             raise ValueError(f"max_new_tokens must be >= 0 (0 scores the prompt only), got {self.max_new_tokens}")
         if _number("temperature", self.temperature, ">= 0") < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
@@ -107,6 +108,8 @@ class SamplingParams:
             _int("seed", self.seed, "or None")
         if _int("n", self.n, ">= 1") < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 0 <= _int("top_logprobs_num", self.top_logprobs_num, "in [0, 20]") <= 20:
+            raise ValueError(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
         for name in ("ignore_eos", "return_logprob", "skip_special_tokens"):
             _bool(name, getattr(self, name))
         if vocab_size is not None:
@@ -129,6 +132,13 @@ class SamplingParams:
                 )
             return cls(**value)
         raise ValueError(f"sampling_params must be None, a dict or SamplingParams, got {type(value).__name__}")
+
+    @property
+    def token_limit(self) -> int:
+        """`max_new_tokens` once resolved for a prompt (the runtime resolves None at submission)."""
+        if self.max_new_tokens is None:
+            raise ValueError("max_new_tokens is None: resolve it for the prompt first (InputProcessor does)")
+        return self.max_new_tokens
 
     @property
     def is_greedy(self) -> bool:

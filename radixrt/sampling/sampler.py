@@ -59,10 +59,13 @@ class SampleOutput:
     penalised distribution at temperature 1, before top-k/top-p/min-p: the
     model's own opinion of the token (after penalties), comparable across
     requests whatever their temperature, and finite for greedy rows too.
+    `top_logprobs[i]` lists row i's `top_logprobs_num` most likely tokens
+    under the same distribution (None when no row asked for any).
     """
 
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Sampler:
@@ -107,8 +110,26 @@ class Sampler:
                 sampled_rows = torch.tensor(sampled, device=logits.device)
                 token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
                 token_ids[sampled_rows] = _sample_rows(logits[sampled_rows], rows_params, uniforms)
-        logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-        return SampleOutput(token_ids, logprobs)
+        log_norm = torch.logsumexp(logits, dim=-1)
+        logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - log_norm
+        return SampleOutput(token_ids, logprobs, _top_logprobs(logits, log_norm, params))
+
+
+def _top_logprobs(
+    logits: torch.Tensor, log_norm: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[list[tuple[int, float]]] | None:
+    """Per row, its `top_logprobs_num` most likely (token, log-probability) pairs; None when no row asks."""
+    wanted = [p.top_logprobs_num for p in params]
+    if not any(wanted):
+        return None
+    rows = [i for i, k in enumerate(wanted) if k]
+    picked = _select(logits, rows)
+    values, tokens = picked.topk(max(wanted), dim=-1)
+    logprobs = (values - _select(log_norm[:, None], rows)).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in params]
+    for row, row_tokens, row_values in zip(rows, tokens.tolist(), logprobs):
+        top[row] = list(zip(row_tokens, row_values))[: wanted[row]]
+    return top
 
 
 def _token_counts(

@@ -1,0 +1,209 @@
+"""OpenAI request bodies to `Runtime.generate` arguments, and `generate` results back to OpenAI shapes.
+
+Pure functions over plain data: the routes in `app.py` call them and do the
+I/O. Usage always carries `prompt_tokens_details.cached_tokens` (0 when
+nothing was cached), so "nothing cached" and "not reported" differ.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Sequence
+
+from radixrt.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(body: _SamplingFields, max_tokens: int | None, top_logprobs: int, logprobs: bool) -> dict[str, Any]:
+    """`SamplingParams` fields for a chat or completion body (SamplingParams validates them again).
+
+    Without `max_tokens` a request may generate what the context and the KV pool leave.
+    """
+    params: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "seed": body.seed,
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos,
+        "skip_special_tokens": body.skip_special_tokens,
+        "n": body.n,
+        "return_logprob": logprobs,
+        "top_logprobs_num": top_logprobs,
+    }
+    return params
+
+
+def chat_sampling_params(body: ChatCompletionRequest) -> dict[str, Any]:
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else 0
+    return sampling_params(body, max_tokens, top, body.logprobs)
+
+
+def completion_sampling_params(body: CompletionRequest) -> dict[str, Any]:
+    if body.best_of is not None and body.best_of != body.n:
+        raise ValueError(f"best_of must equal n ({body.n}) when given: radixrt returns every sample, got {body.best_of}")
+    wants_logprobs = body.logprobs is not None
+    return sampling_params(body, body.max_tokens, body.logprobs or 0, wants_logprobs)
+
+
+def finish_reason(result: dict[str, Any]) -> str:
+    return str(result["meta_info"]["finish_reason"]["type"])
+
+
+def usage(results: Sequence[dict[str, Any]], samples_per_prompt: int) -> dict[str, Any]:
+    """Usage of one call: each prompt counts once (its n samples share it), completions add up.
+
+    `cached_tokens` of a prompt is its least cached sample: the others hit
+    the prompt that sample computed.
+    """
+    prompt_tokens = cached_tokens = 0
+    for start in range(0, len(results), samples_per_prompt):
+        samples = [r["meta_info"] for r in results[start : start + samples_per_prompt]]
+        prompt_tokens += samples[0]["prompt_tokens"]
+        cached_tokens += min(m["cached_tokens"] for m in samples)
+    completion_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def chat_logprobs(result: dict[str, Any], tokenizer: Any) -> dict[str, Any] | None:
+    meta = result["meta_info"]
+    if "output_token_logprobs" not in meta:
+        return None
+    tops = meta.get("output_top_logprobs") or [[] for _ in meta["output_token_logprobs"]]
+    content = []
+    for token_id, logprob, top in zip(result["output_ids"], meta["output_token_logprobs"], tops):
+        content.append(
+            {
+                **_token_entry(tokenizer, token_id, logprob),
+                "top_logprobs": [_token_entry(tokenizer, t, lp) for t, lp in top],
+            }
+        )
+    return {"content": content}
+
+
+def _token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def completion_logprobs(result: dict[str, Any], tokenizer: Any) -> dict[str, Any] | None:
+    meta = result["meta_info"]
+    if "output_token_logprobs" not in meta:
+        return None
+    tokens = [tokenizer.decode([t]) for t in result["output_ids"]]
+    offsets, position = [], 0
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    tops = meta.get("output_top_logprobs") or [[] for _ in tokens]
+    return {
+        "tokens": tokens,
+        "token_logprobs": meta["output_token_logprobs"],
+        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def chat_response(
+    body: ChatCompletionRequest, results: Sequence[dict[str, Any]], model: str, tokenizer: Any
+) -> dict[str, Any]:
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": r["text"]},
+            "logprobs": chat_logprobs(r, tokenizer),
+            "finish_reason": finish_reason(r),
+        }
+        for i, r in enumerate(results)
+    ]
+    return {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(results, body.n),
+    }
+
+
+def completion_response(
+    body: CompletionRequest,
+    results: Sequence[dict[str, Any]],
+    model: str,
+    tokenizer: Any,
+    prompt_texts: Sequence[str] | None,
+) -> dict[str, Any]:
+    choices = []
+    for i, r in enumerate(results):
+        text = r["text"]
+        if body.echo and prompt_texts is not None:
+            text = prompt_texts[i // body.n] + text
+        choices.append(
+            {
+                "index": i,
+                "text": text,
+                "logprobs": completion_logprobs(r, tokenizer),
+                "finish_reason": finish_reason(r),
+            }
+        )
+    return {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(results, body.n),
+    }
+
+
+class ChunkWriter:
+    """The `data:` events of one OpenAI stream: role first, then deltas, a finish, usage, [DONE]."""
+
+    def __init__(self, kind: str, model: str, include_usage: bool):
+        self.kind = kind  # "chat" or "completion"
+        self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+
+    def _event(self, choices: list[dict[str, Any]], usage_value: Any = None) -> dict[str, Any]:
+        event: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            event["usage"] = usage_value
+        return event
+
+    def role(self, index: int) -> dict[str, Any]:
+        return self._event([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+
+    def delta(self, index: int, text: str, finish: str | None = None) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": index, "delta": {"content": text} if text else {}}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None}
+        choice["finish_reason"] = finish
+        return self._event([choice])
+
+    def usage(self, usage_value: dict[str, Any]) -> dict[str, Any]:
+        return self._event([], usage_value)
