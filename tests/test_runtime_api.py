@@ -278,3 +278,10 @@ def test_async_stream_yields_the_same_text_as_generate(rt):
     expected = rt.generate(ids(12, 3), GREEDY)
     assert "".join(c["text"] for c in chunks) == expected["text"]
     assert [t for c in chunks for t in c["output_ids"]] == expected["output_ids"]
+
+
+def test_max_new_tokens_none_fills_what_the_context_and_pool_leave(tiny_llama_dir):
+    with Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=64) as small:
+        out = small.generate(ids(10), {"max_new_tokens": None, "temperature": 0, "ignore_eos": True})
+    assert len(out["output_ids"]) == 64 - 10
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 54}

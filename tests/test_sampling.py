@@ -32,7 +32,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds=None, promp
     [
         ("max_new_tokens", -1, ">= 0"),
         ("max_new_tokens", 1.5, ">= 0"),
-        ("max_new_tokens", None, ">= 0"),
         ("temperature", -0.1, ">= 0"),
         ("temperature", math.nan, ">= 0"),
         ("temperature", math.inf, ">= 0"),

@@ -23,7 +23,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
-SERVER_OPTIONS = ["--max-total-tokens", "16384", "--dtype", "float32", "--device", "cpu"]
+GLOBAL_OPTIONS = ["--dtype", "float32", "--device", "cpu"]
 
 
 def free_port() -> int:
@@ -33,7 +33,10 @@ def free_port() -> int:
 
 
 def start_server(port: int, log_path: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "radixrt.cli", *SERVER_OPTIONS, "serve", "--port", str(port), *extra]
+    command = [
+        sys.executable, "-m", "radixrt.cli", *GLOBAL_OPTIONS, "serve", "--port", str(port),
+        "--max-total-tokens", "16384", *extra,
+    ]
     log = log_path.open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240

@@ -9,9 +9,12 @@ shuts down and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import uvicorn
 
@@ -50,11 +53,35 @@ def serve(
         )
         server = uvicorn.Server(config)
         logger.info("serving on http://%s:%d (OpenAI API under /v1)", host, port)
-        asyncio.run(_serve_with_status(server, runtime, status_interval_s))
+        with _signals_end_serving():
+            asyncio.run(_serve_with_status(server, runtime, status_interval_s))
     finally:
         runtime.shutdown()
     logger.info("shut down")
     return 0
+
+
+@contextlib.contextmanager
+def _signals_end_serving() -> Iterator[None]:
+    """Make SIGINT/SIGTERM mean "stop serving", then exit 0.
+
+    uvicorn handles the signal while it serves (a graceful shutdown) and then
+    raises it again for the handler that was there before; this one takes it
+    quietly, so the runtime still shuts down and the exit code is 0.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop_requested(signum: int, frame: Any) -> None:
+        logger.info("%s: shutting down", signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop_requested) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 async def _serve_with_status(server: uvicorn.Server, runtime: Runtime, interval_s: float) -> None:
