@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 import transformers
 
+from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
 from radixrt.memory.kv_cache import KVCache
-from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.loader import LoadedModel, load_model
 from radixrt.model.runner import ModelRunner
 

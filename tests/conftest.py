@@ -35,10 +35,10 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
 from radixrt.memory.kv_cache import KVCache
 from radixrt.memory.page_pool import PagePool
-from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import LoadedModel, load_model
 from radixrt.model.runner import ModelRunner

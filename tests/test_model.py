@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers
 
-from radixrt.model.config import ModelConfig, RopeScaling
 from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.model.config import ModelConfig, RopeScaling
 from radixrt.model.llama import LlamaForCausalLM
 
 LLAMA3_ROPE = dict(

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
 from radixrt.kernels.torch_backend import TorchAttentionBackend
 from radixrt.memory.kv_cache import KVCache, KVShape
-from radixrt.kernels.forward_batch import ForwardBatch
 
 # (prefix_len, extend_len) per sequence; each layout exercises a different plan:
 BATCHES = {

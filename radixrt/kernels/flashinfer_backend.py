@@ -31,8 +31,8 @@ import torch
 
 from radixrt.kernels import DEFAULT_SHARED_PREFIX_MIN_TOKENS
 from radixrt.kernels.base import AttentionBackend
-from radixrt.memory.kv_cache import KVCache
 from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.memory.kv_cache import KVCache
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024

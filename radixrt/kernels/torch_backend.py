@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.kernels.base import AttentionBackend
+from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.shared_prefix import (
     SharedPrefix,
     attention_with_lse,
@@ -42,7 +43,6 @@ from radixrt.kernels.shared_prefix import (
     repeat_mask_rows,
     unfold_heads,
 )
-from radixrt.kernels.forward_batch import ForwardBatch
 
 # An extend group grows while its padded size stays within this factor of its real size.
 _MAX_PADDING_FACTOR = 2.0

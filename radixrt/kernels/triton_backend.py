@@ -20,8 +20,8 @@ import torch
 
 from radixrt.kernels import DEFAULT_SHARED_PREFIX_MIN_TOKENS
 from radixrt.kernels.base import AttentionBackend
-from radixrt.memory.kv_cache import KVCache
 from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.memory.kv_cache import KVCache
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrt.kernels.base import AttentionBackend
-from radixrt.model.config import ModelConfig
-from radixrt.model import linear
 from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.model import linear
+from radixrt.model.config import ModelConfig
 from radixrt.model.rope import RotaryEmbedding
 
 

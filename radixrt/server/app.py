@@ -89,6 +89,15 @@ class _State:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     active_requests: int = 0
 
+    def finished(self, meta: dict[str, Any]) -> None:
+        """Count a finished request in the metrics, and log it at debug level."""
+        self.metrics.observe_finished(meta)
+        logger.debug(
+            "%s: %s, prompt %d tokens (%d cached), output %d, ttft %.3f s, e2e %.3f s",
+            meta["id"], meta["finish_reason"]["type"], meta["prompt_tokens"], meta["cached_tokens"],
+            meta["completion_tokens"], meta["ttft"], meta["e2e_latency"],
+        )
+
 
 class _ORJSONResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
@@ -173,7 +182,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         assert isinstance(result, (dict, list)), "a call without stream returns results"
         results = result if isinstance(result, list) else [result]
         for item in results:
-            state.metrics.observe_finished(item["meta_info"])
+            state.finished(item["meta_info"])
         return results
 
     async def run_stream(
@@ -407,7 +416,7 @@ async def _openai_stream(
                 meta = chunk["meta_info"]
                 finish = meta["finish_reason"]["type"]
                 results[index] = {"meta_info": meta}
-                state.metrics.observe_finished(meta)
+                state.finished(meta)
             if chunk["text"] or finish is not None:
                 yield _data(writer.delta(index, chunk["text"], finish))
         if writer.include_usage:
@@ -428,7 +437,7 @@ async def _native_stream(state: _State, chunks: AsyncIterator[dict]) -> AsyncIte
             ids.setdefault(index, []).extend(chunk["output_ids"])
             meta = chunk.get("meta_info") or {"id": chunk["id"]}
             if chunk["finished"]:
-                state.metrics.observe_finished(meta)
+                state.finished(meta)
             yield _data({"index": index, "text": text[index], "output_ids": ids[index], "meta_info": meta})
     except RuntimeError as error:
         yield _data(APIError(500, str(error), type_="server_error").body())
