@@ -14,6 +14,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--weights", default="dense", choices=["dense", "native"],
+        help="native: keep a GGUF model's 4-bit projections as stored (CPU; fewer bytes per step)",
+    )
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--disable-radix-cache", action="store_true")
@@ -56,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model,
             device=args.device,
             dtype=args.dtype,
+            weights=args.weights,
             attention_backend=args.attention_backend,
             page_size=args.page_size,
             disable_radix_cache=args.disable_radix_cache,
@@ -136,7 +141,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.max_queued_requests < 0:
         parser.error(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     options: dict[str, Any] = {
-        "device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
+        "device": args.device, "dtype": args.dtype, "weights": args.weights,
+        "attention_backend": args.attention_backend,
         "page_size": args.page_size, "disable_radix_cache": args.disable_radix_cache,
     }
     for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size", "schedule_policy"):

@@ -14,6 +14,7 @@ from radixrt.kernels import BACKEND_NAMES, DEFAULT_SHARED_PREFIX_MIN_TOKENS
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 DEVICES = ("auto", "cpu", "cuda")
+WEIGHTS = ("dense", "native")
 
 
 @dataclass
@@ -23,6 +24,9 @@ class RuntimeConfig:
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
     dtype: "auto" (bfloat16 on cuda; on cpu the model's fastest exact-enough
         choice, see docs/model.md), "float32", "bfloat16", "float16".
+    weights: "dense" expands every weight to `dtype`; "native" keeps a GGUF
+        model's 4-bit (Q4_0/Q4_1) projections as stored and multiplies by them
+        directly on the CPU, reading a quarter of the bytes per step.
     page_size: tokens per KV page; the radix tree caches whole pages only.
     max_total_tokens: KV pool size in tokens. When None it is derived from
         `kv_memory_fraction` of free GPU memory on cuda, or from
@@ -57,6 +61,7 @@ class RuntimeConfig:
 
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "dense"
     page_size: int = 1
     max_total_tokens: int | None = None
     kv_memory_fraction: float = 0.85
@@ -90,6 +95,8 @@ class RuntimeConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
         if not 0.0 <= self.new_token_reserve_ratio <= 1.0:
             raise ValueError(f"new_token_reserve_ratio must be in [0, 1], got {self.new_token_reserve_ratio!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.attention_backend not in BACKEND_NAMES:

@@ -1,4 +1,4 @@
-"""Linear projections, with weights prepacked for oneDNN on a CPU in bf16.
+"""Linear projections: plain, prepacked for oneDNN (CPU, bf16), or 4-bit (CPU, GGUF weights).
 
 CPU decode reads every weight once per step. Handing oneDNN a weight
 already reordered into its blocked layout, once at load time, makes the bf16
@@ -6,6 +6,13 @@ matmul faster at decode-sized batches (docs/model.md has the timing) and
 gives bit-identical results, which `pack` checks before using it.
 fp32 is left on `F.linear` (MKL): the packed fp32 path rounds differently,
 and fp32 is the dtype our exactness tests compare against transformers.
+
+`int4` multiplies by a GGUF file's own 4-bit weights (see `gguf_int4`)
+through torch's CPU weight-only kernel, reading a quarter of bf16's bytes.
+The kernel takes its per-block scales in the activations' dtype: exact in
+float32, but there it runs a slow generic path, so bf16 models use it in
+bf16, which rounds each block's scale and offset to 8 significant bits
+(the 4-bit codes stay the file's).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from radixrt.model.gguf_int4 import GROUP_SIZE, Int4Weight
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -36,6 +45,27 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     except (RuntimeError, AttributeError):
         return plain(weight, bias)
     return fn
+
+
+def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Linear:
+    """`x @ w.T (+ bias)` for `dtype` activations, with `w` held as 4-bit codes (CPU only)."""
+    num_rows, num_cols = weight.shape
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), _INNER_K_TILES)
+    # The kernel dequantizes (q - 8) * scale + zero: our offset is the weight at q = 0.
+    zeros = weight.offsets + 8 * weight.scales
+    scales_and_zeros = torch.stack([weight.scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, num_cols), packed, GROUP_SIZE, scales_and_zeros)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], num_rows)
+
+    return linear
+
+
+# The packing parameter torch's CPU int4 kernel takes; it accepts 2 for every K that is a multiple of 32.
+_INNER_K_TILES = 2
 
 
 def _can_pack(weight: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ from radixrt.kernels.base import AttentionBackend
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model import linear
 from radixrt.model.config import ModelConfig
+from radixrt.model.gguf_int4 import Int4Weight
 from radixrt.model.rope import RotaryEmbedding
 
 
@@ -61,6 +62,18 @@ class LlamaDecoderLayer(nn.Module):
     def prepack(self) -> None:
         """Reorder the loaded weights for the platform's matmul (see `radixrt.model.linear`)."""
         self._bind_linears(linear.pack)
+
+    def use_int4(self, weights: dict[str, Int4Weight]) -> None:
+        for name, dense in (("qkv", self.qkv_proj), ("o", self.o_proj), ("gate_up", self.gate_up_proj),
+                            ("down", self.down_proj)):
+            if weights[name].shape != tuple(dense.shape):
+                raise ValueError(f"layer {self.index} {name}: 4-bit shape {weights[name].shape}, "
+                                 f"model expects {tuple(dense.shape)}")
+        dtype = self.input_norm.dtype
+        self.qkv = linear.int4(weights["qkv"], dtype, self.qkv_bias)
+        self.o = linear.int4(weights["o"], dtype, self.o_bias)
+        self.gate_up = linear.int4(weights["gate_up"], dtype)
+        self.down = linear.int4(weights["down"], dtype)
 
     def forward(
         self,
@@ -117,6 +130,18 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.prepack()
         self._lm_head = linear.pack(self.lm_head)
+
+    def use_int4_projections(self, layers: list[dict[str, Int4Weight]]) -> None:
+        """Multiply by 4-bit weights (`gguf_int4.read_projections`) instead of the dense ones.
+
+        The dense parameters stay (the embedding and norms are dense anyway,
+        and the LM head is the tied embedding); only the projections change.
+        """
+        if len(layers) != len(self.layers):
+            raise ValueError(f"got 4-bit weights for {len(layers)} layers, the model has {len(self.layers)}")
+        for layer, weights in zip(self.layers, layers):
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.use_int4(weights)
 
     @property
     def device(self) -> torch.device:

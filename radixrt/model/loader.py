@@ -21,6 +21,7 @@ import torch
 
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_cache import gguf_to_hf_folder
+from radixrt.model.gguf_int4 import SUPPORTED_TYPES, load_projections
 from radixrt.model.llama import LlamaForCausalLM
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -125,16 +126,26 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return dtype
 
 
+WEIGHTS = ("dense", "native")
+
+
 def load_model(
     model: str | os.PathLike[str] | None = None,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
+    weights: str = "dense",
 ) -> LoadedModel:
     """Load `model` (a HF folder, a .gguf file, or None for the bundled SmolLM2) onto `device`.
 
+    `weights="native"` keeps a GGUF file's 4-bit projections as they are
+    stored and multiplies by them directly (CPU; see `gguf_int4`); "dense"
+    expands every weight to `dtype`.
+
     Raises FileNotFoundError for a missing path or weights, ValueError for an
-    unsupported architecture/dtype/device or a GGUF without tokenizer data.
+    unsupported architecture/dtype/device/weights or a GGUF without tokenizer data.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     if model is None:
@@ -155,7 +166,18 @@ def load_model(
         folder = gguf_to_hf_folder(source)
     else:
         folder = source
-    return _load_folder(folder, name, resolved_device, resolved_dtype)
+    if weights == "native":
+        if not source.is_file():
+            raise ValueError(
+                f"weights='native' needs a GGUF model with {' or '.join(SUPPORTED_TYPES)} projections; "
+                f"{name} is a Hugging Face folder (use weights='dense')"
+            )
+        if resolved_device.type != "cpu":
+            raise ValueError(f"weights='native' runs on the CPU (torch's 4-bit CPU kernel); device is {resolved_device}")
+    loaded = _load_folder(folder, name, resolved_device, resolved_dtype)
+    if weights == "native":
+        loaded.model.use_int4_projections(load_projections(source, folder, loaded.config))
+    return loaded
 
 
 def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:

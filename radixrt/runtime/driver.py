@@ -49,7 +49,7 @@ def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
     wanted = config.device
     if wanted == "auto":
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
-    loaded = load_model(model, device=wanted, dtype=config.dtype)
+    loaded = load_model(model, device=wanted, dtype=config.dtype, weights=config.weights)
     device = loaded.model.device
     model_config = loaded.config
     shape = model_config.kv_shape(loaded.model.dtype)

@@ -1,0 +1,116 @@
+"""weights="native": a GGUF file's 4-bit projections, kept as stored and multiplied by directly."""
+
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixrt import Runtime
+from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.model import gguf_int4, linear
+from radixrt.model.gguf_int4 import CACHE_FILE, Int4Weight, read_projections
+from radixrt.model.loader import bundled_model_path, load_model
+
+
+def fake_tensor(kind: str, rows: list[bytes]) -> SimpleNamespace:
+    data = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), -1)
+    return SimpleNamespace(tensor_type=SimpleNamespace(name=kind), data=data)
+
+
+def nibbles(codes: list[int]) -> bytes:
+    """32 codes as GGML packs them: byte j = element j (low nibble) | element j + 16 (high)."""
+    return bytes(codes[j] | codes[j + 16] << 4 for j in range(16))
+
+
+def test_q4_1_and_q4_0_blocks_are_read_as_ggml_writes_them():
+    codes = [(7 * i + 3) % 16 for i in range(32)]
+    q4_1 = struct.pack("<ee", 0.25, -1.5) + nibbles(codes)
+    weight = gguf_int4._read({"w": fake_tensor("Q4_1", [q4_1])}, "w")
+    assert weight.codes.tolist() == [codes]
+    assert torch.equal(weight.dequantize(), torch.tensor([[0.25 * q - 1.5 for q in codes]]))
+    q4_0 = struct.pack("<e", 0.5) + nibbles(codes)
+    weight = gguf_int4._read({"w": fake_tensor("Q4_0", [q4_0])}, "w")
+    assert torch.equal(weight.dequantize(), torch.tensor([[0.5 * (q - 8) for q in codes]]))
+
+
+def test_other_quantization_types_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"Q4_0, Q4_1.*blk\.0\.w is Q8_0"):
+        gguf_int4._read({"blk.0.w": fake_tensor("Q8_0", [bytes(34)])}, "blk.0.w")
+    with pytest.raises(ValueError, match="no tensor"):
+        gguf_int4._read({}, "blk.0.w")
+
+
+def random_int4(rows: int, cols: int, seed: int = 0) -> Int4Weight:
+    generator = torch.Generator().manual_seed(seed)
+    groups = cols // gguf_int4.GROUP_SIZE
+    return Int4Weight(
+        torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8),
+        (torch.rand(rows, groups, generator=generator) * 0.02).half().float(),
+        (torch.randn(rows, groups, generator=generator) * 0.05).half().float(),
+    )
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_int4_linear_equals_the_dense_product_of_its_weights(dtype, tolerance):
+    weight = random_int4(96, 128)
+    bias = torch.randn(96).to(dtype)
+    x = torch.randn(5, 128).to(dtype)
+    expected = F.linear(x.float(), weight.dequantize(), bias.float())
+    out = linear.int4(weight, dtype, bias)(x)
+    assert out.dtype == dtype and out.shape == (5, 96)
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.slow
+def test_native_projections_are_exactly_the_dense_weights(smollm2):
+    layers = read_projections(bundled_model_path(), smollm2.config)
+    for layer, native in zip(smollm2.model.layers, layers):
+        for name, dense in (("qkv", layer.qkv_proj), ("o", layer.o_proj), ("gate_up", layer.gate_up_proj),
+                            ("down", layer.down_proj)):
+            assert torch.equal(native[name].dequantize(), dense), f"layer {layer.index} {name}"
+
+
+@pytest.mark.slow
+def test_native_model_is_cached_and_close_to_dense():
+    dense = load_model(None, dtype="bfloat16")
+    native = load_model(None, dtype="bfloat16", weights="native")
+    assert (native.path / CACHE_FILE).is_file(), "the 4-bit codes are cached beside the dense conversion"
+    ids = native.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    batch = ForwardBatch.build([ids], [0], [torch.arange(len(ids))])
+    logits = {}
+    for label, loaded in (("dense", dense), ("native", native)):
+        from radixrt.kernels.registry import create_backend
+        from radixrt.memory import KVCache
+
+        config = loaded.config
+        cache = KVCache(config.kv_shape(torch.bfloat16), 64)
+        backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim)
+        with torch.inference_mode():
+            hidden = loaded.model.forward(batch, backend, backend.plan(batch))
+            logits[label] = loaded.model.compute_logits(hidden[-1:]).log_softmax(-1)[0]
+    best = int(logits["dense"].argmax())
+    # The same weights up to the rounding of each block's scale to bf16: the dense model's
+    # choice stays (near-)top for the native one.
+    assert logits["native"].max() - logits["native"][best] < 0.5
+    assert torch.corrcoef(torch.stack([logits["dense"], logits["native"]]).float())[0, 1] > 0.99
+
+
+@pytest.mark.slow
+def test_runtime_with_native_weights_generates():
+    with Runtime(weights="native", max_total_tokens=4096) as rt:
+        out = rt.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+        assert out["meta_info"]["completion_tokens"] == 8 and out["text"]
+
+
+def test_native_weights_need_a_gguf_model(tiny_llama_dir):
+    with pytest.raises(ValueError, match="weights='native' needs a GGUF model"):
+        load_model(tiny_llama_dir, weights="native")
+    with pytest.raises(ValueError, match="weights must be one of dense, native"):
+        load_model(tiny_llama_dir, weights="int3")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        Runtime(tiny_llama_dir, weights="int3")
