@@ -6,12 +6,16 @@ Measures, for the bundled SmolLM2-135M-Instruct on this machine, per dtype:
   decode    one step for --batch-sizes sequences of --context tokens each: ms/step
             (transformers: one step with its DynamicCache, cropped back after each run;
             radixrt: one decode batch over the paged pool, torch attention backend)
+  floor     the machine's read bandwidth (a 1 GiB float32 sum on all threads) and, per
+            weights mode, the bytes a batch-1 decode step must read (every projection and
+            the LM head once) divided by it: no step can be faster
 Medians (or with --statistic min, best times) of --runs timed runs after one warm-up,
 radixrt and transformers alternating. Use min on a machine shared with other jobs: the
-best run is the one least disturbed.
+best run is the one least disturbed. `--weights native` runs radixrt on the GGUF file's
+own 4-bit projections (transformers always runs the dense weights).
 Not a test: nothing is asserted.
 
-    python bench/model_bench.py [--dtypes fp32,bf16] [--prefill-len 512] [--context 256]
+    python bench/model_bench.py [--dtypes fp32,bf16] [--weights dense,native] [--prefill-len 512]
 """
 
 from __future__ import annotations
@@ -105,6 +109,33 @@ def bench_decode(
         )
 
 
+def read_bandwidth(runs: int = 5) -> float:
+    """Bytes per second a float32 sum over 1 GiB reads, best of `runs` (all threads)."""
+    data = torch.ones(1 << 28)
+    data.sum()
+    best = min(_timed(data.sum) for _ in range(runs))
+    return data.numel() * 4 / best
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def step_weight_bytes(loaded: LoadedModel) -> int:
+    """Bytes of weights one batch-1 decode step reads: the projections (as stored) and the LM head."""
+    model = loaded.model
+    total = model.lm_head.numel() * model.lm_head.element_size()
+    for layer in model.layers:
+        for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            if loaded.weights == "native":  # 4-bit codes, and a scale and a zero per 32 in the model's dtype
+                total += weight.numel() // 2 + weight.numel() // 32 * 2 * weight.element_size()
+            else:
+                total += weight.numel() * weight.element_size()
+    return total
+
+
 def cpu_name() -> str:
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -117,6 +148,7 @@ def cpu_name() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--weights", default="dense", help="radixrt's weights: dense, native or both (dense,native)")
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--batch-sizes", default="1,8,32")
@@ -129,24 +161,33 @@ def main() -> None:
         f"CPU: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}; {args.statistic} of {args.runs} runs"
     )
-    print("| dtype | measure | radixrt | transformers | radixrt speed-up |")
-    print("|---|---|---|---|---|")
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s (1 GiB float32 sum, best of 5)")
+    print("| dtype | weights | measure | radixrt | transformers | radixrt speed-up |")
+    print("|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
-        loaded = load_model(None, device="cpu", dtype=dtype)
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=loaded.model.dtype).eval()
-        ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs, statistic)
-        print(
-            f"| {dtype} | prefill {args.prefill_len} tokens (tokens/s) | {args.prefill_len / ours:.0f} | "
-            f"{args.prefill_len / theirs:.0f} | {theirs / ours:.2f}x |",
-            flush=True,
-        )
-        for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-            ours, theirs = bench_decode(loaded, hf_model, batch_size, args.context, args.runs, statistic)
+        hf_model = None
+        for weights in args.weights.split(","):
+            loaded = load_model(None, device="cpu", dtype=dtype, weights=weights)
+            if hf_model is None:
+                hf_model = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=loaded.model.dtype)
+                hf_model.eval()
+            floor = step_weight_bytes(loaded) / bandwidth
+            print(f"| {dtype} | {weights} | floor: batch-1 step reads {step_weight_bytes(loaded) / 1e6:.0f} MB (ms) | "
+                  f"{floor * 1e3:.1f} | | |", flush=True)
+            ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs, statistic)
             print(
-                f"| {dtype} | decode step, batch {batch_size}, {args.context}-token contexts (ms) | "
-                f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |",
+                f"| {dtype} | {weights} | prefill {args.prefill_len} tokens (tokens/s) | {args.prefill_len / ours:.0f} | "
+                f"{args.prefill_len / theirs:.0f} | {theirs / ours:.2f}x |",
                 flush=True,
             )
+            for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+                ours, theirs = bench_decode(loaded, hf_model, batch_size, args.context, args.runs, statistic)
+                print(
+                    f"| {dtype} | {weights} | decode step, batch {batch_size}, {args.context}-token contexts (ms) | "
+                    f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

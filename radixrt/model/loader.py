@@ -9,6 +9,7 @@ tokenizer files.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -56,6 +57,7 @@ class LoadedModel:
     name: str
     hf_config: Any  # the transformers PretrainedConfig
     path: Path
+    weights: str = "dense"  # or "native": the projections are the GGUF file's 4-bit codes
 
 
 def bundled_model_path() -> Path:
@@ -177,6 +179,7 @@ def load_model(
     loaded = _load_folder(folder, name, resolved_device, resolved_dtype)
     if weights == "native":
         loaded.model.use_int4_projections(load_projections(source, folder, loaded.config))
+        loaded = dataclasses.replace(loaded, weights="native")
     return loaded
 
 
