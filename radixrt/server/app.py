@@ -177,6 +177,9 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             result = await _cancel_on_disconnect(request, runtime.async_generate(**kwargs))
         except ValueError as error:
             raise _bad_request(error, default_param) from None
+        except asyncio.CancelledError:
+            state.metrics.observe_aborted(num_requests)
+            raise
         finally:
             release()
         assert isinstance(result, (dict, list)), "a call without stream returns results"
@@ -202,16 +205,19 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             raise
         assert not isinstance(chunks, (dict, list))
         rids = _as_list(kwargs["rid"])
+        progress = _StreamProgress()
 
         def close() -> None:
             release()
+            if progress.finished < num_requests:  # the client left, or the stream failed
+                state.metrics.observe_aborted(num_requests - progress.finished)
             for rid in rids:
                 try:
                     runtime.abort(rid)  # a no-op for a request that finished
                 except RuntimeError:  # the runtime is shutting down: nothing left to free
                     return
 
-        return _EventStream(events(chunks), close)
+        return _EventStream(events(_counting(chunks, progress)), close)
 
     # --- OpenAI ---------------------------------------------------------------------
     @app.get("/v1/models")
@@ -365,6 +371,18 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
     if isinstance(prompt, str) or _is_token_list(prompt):
         return [prompt]
     return list(prompt)
+
+
+@dataclass
+class _StreamProgress:
+    finished: int = 0
+
+
+async def _counting(chunks: AsyncIterator[dict], progress: _StreamProgress) -> AsyncIterator[dict]:
+    """`chunks`, counting the requests that finish (the rest are aborted when the stream ends)."""
+    async for chunk in chunks:
+        progress.finished += chunk["finished"]
+        yield chunk
 
 
 def _as_list(rid: str | list[str]) -> list[str]:
