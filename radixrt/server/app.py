@@ -210,7 +210,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         def close() -> None:
             release()
             if progress.finished < num_requests:  # the client left, or the stream failed
-                state.metrics.observe_aborted(num_requests - progress.finished)
+                state.metrics.observe_aborted(num_requests - progress.finished, progress.unfinished_tokens())
             for rid in rids:
                 try:
                     runtime.abort(rid)  # a no-op for a request that finished
@@ -375,13 +375,23 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
 
 @dataclass
 class _StreamProgress:
+    """How far a stream's requests got: those that never finish are aborted when it ends."""
+
     finished: int = 0
+    tokens: dict[int, int] = field(default_factory=dict)  # output tokens so far of unfinished requests
+
+    def unfinished_tokens(self) -> int:
+        return sum(self.tokens.values())
 
 
 async def _counting(chunks: AsyncIterator[dict], progress: _StreamProgress) -> AsyncIterator[dict]:
-    """`chunks`, counting the requests that finish (the rest are aborted when the stream ends)."""
     async for chunk in chunks:
-        progress.finished += chunk["finished"]
+        if chunk["finished"]:
+            progress.finished += 1
+            progress.tokens.pop(chunk["index"], None)  # counted from its meta_info
+        else:
+            index = chunk["index"]
+            progress.tokens[index] = progress.tokens.get(index, 0) + len(chunk["output_ids"])
         yield chunk
 
 

@@ -70,10 +70,11 @@ class ServerMetrics:
             for _ in range(tokens_after_first):
                 self.inter_token_latency.observe(mean_gap)
 
-    def observe_aborted(self, num_requests: int) -> None:
-        """Requests aborted before they reported an end (their client left)."""
+    def observe_aborted(self, num_requests: int, generated_tokens: int = 0) -> None:
+        """Requests aborted before they reported an end (their client left), and the tokens they got."""
         self.requests.inc(num_requests)
         self.aborted_requests.inc(num_requests)
+        self.generation_tokens.inc(generated_tokens)
 
     def render(self, stats: dict[str, Any]) -> bytes:
         """The exposition text, with the gauges set from `cache_stats()`."""
