@@ -64,6 +64,20 @@ def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = Non
     return linear
 
 
+def by_rows(small: Linear, large: Linear, max_small_rows: int) -> Linear:
+    """`small` for inputs of at most `max_small_rows` rows, else `large`.
+
+    torch's 4-bit CPU kernel wins where reading the weights dominates (decode
+    of a few sequences) and loses to the dense bf16 GEMM on prefill-sized
+    inputs (bench/model_bench.py: 0.63x on a 512-token prefill).
+    """
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return small(x) if x.numel() <= max_small_rows * x.shape[-1] else large(x)
+
+    return linear
+
+
 # The packing parameter torch's CPU int4 kernel takes; it accepts 2 for every K that is a multiple of 32.
 _INNER_K_TILES = 2
 

@@ -26,6 +26,12 @@ from radixrt.model.gguf_int4 import Int4Weight
 from radixrt.model.rope import RotaryEmbedding
 
 
+# With native 4-bit weights, steps of at most this many tokens use them; larger
+# ones (prefills, big decode batches) use the dense weights, where the dense
+# GEMM is faster (bench/model_bench.py: 4-bit wins at batch 1 and 8, loses at 32).
+INT4_MAX_ROWS = 16
+
+
 def _weight(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
 
@@ -70,10 +76,11 @@ class LlamaDecoderLayer(nn.Module):
                 raise ValueError(f"layer {self.index} {name}: 4-bit shape {weights[name].shape}, "
                                  f"model expects {tuple(dense.shape)}")
         dtype = self.input_norm.dtype
-        self.qkv = linear.int4(weights["qkv"], dtype, self.qkv_bias)
-        self.o = linear.int4(weights["o"], dtype, self.o_bias)
-        self.gate_up = linear.int4(weights["gate_up"], dtype)
-        self.down = linear.int4(weights["down"], dtype)
+        rows = INT4_MAX_ROWS
+        self.qkv = linear.by_rows(linear.int4(weights["qkv"], dtype, self.qkv_bias), self.qkv, rows)
+        self.o = linear.by_rows(linear.int4(weights["o"], dtype, self.o_bias), self.o, rows)
+        self.gate_up = linear.by_rows(linear.int4(weights["gate_up"], dtype), self.gate_up, rows)
+        self.down = linear.by_rows(linear.int4(weights["down"], dtype), self.down, rows)
 
     def forward(
         self,
@@ -132,10 +139,11 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head = linear.pack(self.lm_head)
 
     def use_int4_projections(self, layers: list[dict[str, Int4Weight]]) -> None:
-        """Multiply by 4-bit weights (`gguf_int4.read_projections`) instead of the dense ones.
+        """Multiply by 4-bit weights (`gguf_int4.read_projections`) in steps of few tokens.
 
-        The dense parameters stay (the embedding and norms are dense anyway,
-        and the LM head is the tied embedding); only the projections change.
+        Call after `prepack`: the dense projections stay for steps of more
+        than `INT4_MAX_ROWS` tokens (the embedding, norms and tied LM head are
+        dense anyway).
         """
         if len(layers) != len(self.layers):
             raise ValueError(f"got 4-bit weights for {len(layers)} layers, the model has {len(self.layers)}")
