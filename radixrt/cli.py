@@ -15,8 +15,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
-        "--weights", default="dense", choices=["dense", "native"],
-        help="native: keep a GGUF model's 4-bit projections as stored (CPU; fewer bytes per step)",
+        "--weights", default="auto", choices=["auto", "dense", "native"],
+        help="native: keep a GGUF model's 4-bit projections as stored (CPU; fewer bytes per step); "
+        "auto: native for such a model on a bf16 CPU, else dense",
     )
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--page-size", type=int, default=1)

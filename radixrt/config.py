@@ -14,7 +14,7 @@ from radixrt.kernels import BACKEND_NAMES, DEFAULT_SHARED_PREFIX_MIN_TOKENS
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 DEVICES = ("auto", "cpu", "cuda")
-WEIGHTS = ("dense", "native")
+WEIGHTS = ("auto", "dense", "native")
 
 
 @dataclass
@@ -26,7 +26,9 @@ class RuntimeConfig:
         choice, see docs/model.md), "float32", "bfloat16", "float16".
     weights: "dense" expands every weight to `dtype`; "native" keeps a GGUF
         model's 4-bit (Q4_0/Q4_1) projections as stored and multiplies by them
-        directly on the CPU, reading a quarter of the bytes per step.
+        directly on the CPU, reading a quarter of the bytes per step; "auto"
+        is native for such a GGUF model on the CPU in bfloat16 (where it is
+        faster), dense otherwise.
     page_size: tokens per KV page; the radix tree caches whole pages only.
     max_total_tokens: KV pool size in tokens. When None it is derived from
         `kv_memory_fraction` of free GPU memory on cuda, or from
@@ -61,7 +63,7 @@ class RuntimeConfig:
 
     device: str = "auto"
     dtype: str = "auto"
-    weights: str = "dense"
+    weights: str = "auto"
     page_size: int = 1
     max_total_tokens: int | None = None
     kv_memory_fraction: float = 0.85

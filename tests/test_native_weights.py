@@ -110,7 +110,15 @@ def test_runtime_with_native_weights_generates():
 def test_native_weights_need_a_gguf_model(tiny_llama_dir):
     with pytest.raises(ValueError, match="weights='native' needs a GGUF model"):
         load_model(tiny_llama_dir, weights="native")
-    with pytest.raises(ValueError, match="weights must be one of dense, native"):
+    with pytest.raises(ValueError, match="weights must be one of auto, dense, native"):
         load_model(tiny_llama_dir, weights="int3")
     with pytest.raises(ValueError, match="weights must be one of"):
         Runtime(tiny_llama_dir, weights="int3")
+
+
+@pytest.mark.slow
+def test_auto_is_native_only_for_a_4bit_gguf_in_bfloat16(tiny_llama_dir):
+    assert gguf_int4.has_int4_projections(bundled_model_path())
+    assert load_model(None, dtype="bfloat16", weights="auto").weights == "native"
+    assert load_model(None, dtype="float32", weights="auto").weights == "dense"
+    assert load_model(tiny_llama_dir, dtype="bfloat16", weights="auto").weights == "dense"

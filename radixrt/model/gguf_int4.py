@@ -76,6 +76,16 @@ class Int4Weight:
 CACHE_FILE = "int4_projections.safetensors"
 
 
+def has_int4_projections(path: Path) -> bool:
+    """Whether `read_projections` can read this file: a supported architecture, every projection 4-bit."""
+    reader = gguf.GGUFReader(str(path))
+    if _architecture(reader) not in SUPPORTED_ARCHITECTURES:
+        return False
+    suffixes = {f"{name}.weight" for names in _PROJECTIONS.values() for name in names}
+    projections = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".", 2)[2] in suffixes]
+    return bool(projections) and all(t.tensor_type.name in SUPPORTED_TYPES for t in projections)
+
+
 def load_projections(gguf_path: Path, cache_folder: Path, config: ModelConfig) -> list[dict[str, Int4Weight]]:
     """`read_projections`, cached beside the converted dense weights: parsing the GGUF file's
     blocks takes seconds, reading the cached codes a fraction of one."""

@@ -22,7 +22,7 @@ import torch
 
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_cache import gguf_to_hf_folder
-from radixrt.model.gguf_int4 import SUPPORTED_TYPES, load_projections
+from radixrt.model.gguf_int4 import CACHE_FILE, SUPPORTED_TYPES, has_int4_projections, load_projections
 from radixrt.model.llama import LlamaForCausalLM
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -128,7 +128,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return dtype
 
 
-WEIGHTS = ("dense", "native")
+WEIGHTS = ("auto", "dense", "native")
 
 
 def load_model(
@@ -141,7 +141,9 @@ def load_model(
 
     `weights="native"` keeps a GGUF file's 4-bit projections as they are
     stored and multiplies by them directly (CPU; see `gguf_int4`); "dense"
-    expands every weight to `dtype`.
+    expands every weight to `dtype`; "auto" is native where that is faster
+    (a GGUF file with 4-bit projections, on the CPU, in bfloat16: torch's
+    float32 4-bit kernel is slow) and dense elsewhere.
 
     Raises FileNotFoundError for a missing path or weights, ValueError for an
     unsupported architecture/dtype/device/weights or a GGUF without tokenizer data.
@@ -168,6 +170,8 @@ def load_model(
         folder = gguf_to_hf_folder(source)
     else:
         folder = source
+    if weights == "auto":
+        weights = "native" if _native_is_faster(source, folder, resolved_device, resolved_dtype) else "dense"
     if weights == "native":
         if not source.is_file():
             raise ValueError(
@@ -181,6 +185,12 @@ def load_model(
         loaded.model.use_int4_projections(load_projections(source, folder, loaded.config))
         loaded = dataclasses.replace(loaded, weights="native")
     return loaded
+
+
+def _native_is_faster(source: Path, folder: Path, device: torch.device, dtype: torch.dtype) -> bool:
+    if not (source.is_file() and device.type == "cpu" and dtype == torch.bfloat16):
+        return False
+    return (folder / CACHE_FILE).is_file() or has_int4_projections(source)
 
 
 def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
