@@ -172,8 +172,9 @@ def main() -> None:
             if hf_model is None:
                 hf_model = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=loaded.model.dtype)
                 hf_model.eval()
-            floor = step_weight_bytes(loaded) / bandwidth
-            print(f"| {dtype} | {weights} | floor: batch-1 step reads {step_weight_bytes(loaded) / 1e6:.0f} MB (ms) | "
+            weight_bytes = step_weight_bytes(loaded)
+            floor = weight_bytes / bandwidth
+            print(f"| {dtype} | {weights} | floor: batch-1 step reads {weight_bytes / 1e6:.0f} MB (ms) | "
                   f"{floor * 1e3:.1f} | | |", flush=True)
             ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs, statistic)
             print(

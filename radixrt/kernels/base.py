@@ -62,6 +62,11 @@ class AttentionBackend(ABC, Generic[PlanT]):
         self.page_size = page_size
         self.shared_prefix_min_tokens = shared_prefix_min_tokens
         self.scale = head_dim**-0.5
+        self._setup()
+
+    def _setup(self) -> None:
+        """Backend-specific checks and state, after the shared ones (a hook, so no backend repeats
+        the constructor's parameters just to add its own)."""
 
     def _require_kv_dtype(self, supported: tuple[torch.dtype, ...]) -> None:
         """Reject a KV cache whose dtype this backend's kernels were not built for, at construction."""

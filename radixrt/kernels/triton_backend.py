@@ -18,10 +18,8 @@ from typing import Sequence
 
 import torch
 
-from radixrt.kernels import DEFAULT_SHARED_PREFIX_MIN_TOKENS
 from radixrt.kernels.base import AttentionBackend
 from radixrt.kernels.forward_batch import ForwardBatch
-from radixrt.memory.kv_cache import KVCache
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -64,28 +62,16 @@ class TritonAttentionBackend(AttentionBackend["TritonPlan"]):
 
     name = "triton"
 
-    def __init__(
-        self,
-        kv_cache: KVCache,
-        num_q_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int = 1,
-        *,
-        shared_prefix_min_tokens: int = DEFAULT_SHARED_PREFIX_MIN_TOKENS,
-    ):
-        super().__init__(
-            kv_cache, num_q_heads, num_kv_heads, head_dim, page_size, shared_prefix_min_tokens=shared_prefix_min_tokens
-        )
-        if not 16 <= head_dim <= 256:
-            raise ValueError(f"head_dim must be in [16, 256] (tl.dot needs 16), got {head_dim}")
+    def _setup(self) -> None:
+        if not 16 <= self.head_dim <= 256:
+            raise ValueError(f"head_dim must be in [16, 256] (tl.dot needs 16), got {self.head_dim}")
         self._require_kv_dtype(SUPPORTED_DTYPES)
         try:
             from radixrt.kernels import triton_attention
         except ImportError as error:
             raise ImportError("the triton attention backend needs the `triton` package") from error
         self._kernels = triton_attention
-        self._target_programs = 2 * _num_compute_units(kv_cache.device)
+        self._target_programs = 2 * _num_compute_units(self.kv_cache.device)
 
     def plan(self, batch: ForwardBatch) -> TritonPlan:
         decode_ids, extend_ids = batch.decode_and_extend_ids()

@@ -73,7 +73,6 @@ def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
         vocab_size=model_config.vocab_size,
         context_len=model_config.context_len,
         pool_tokens=num_pages * config.page_size,
-        page_size=config.page_size,
     )
     return BuiltEngine(Engine(runner, cache, config), loaded, limits, tuple(eos_token_ids(loaded)))
 

@@ -20,17 +20,15 @@ PromptInput = Any  # str | list[str] | list[int] | list[list[int]] | messages | 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What a request must fit: the model's vocabulary and context, and the KV pool."""
+    """What a request must fit: the model's vocabulary and context, and the KV pool (whole pages)."""
 
     vocab_size: int
     context_len: int
-    pool_tokens: int
-    page_size: int
+    pool_tokens: int  # a whole number of pages
 
     def room(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt of this length may generate: what the context and the pool leave."""
-        pool = self.pool_tokens // self.page_size * self.page_size
-        return max(min(self.context_len, pool) - num_prompt_tokens, 0)
+        return max(min(self.context_len, self.pool_tokens) - num_prompt_tokens, 0)
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
         if not prompt:
@@ -44,7 +42,7 @@ class RequestLimits:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
                 f"exceeds the model's context length {self.context_len}"
             )
-        if -(-total // self.page_size) * self.page_size > self.pool_tokens:
+        if total > self.pool_tokens:  # a whole number of pages, so a request that fits in tokens fits in pages
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
                 f"exceeds the KV pool ({self.pool_tokens} tokens); raise max_total_tokens"

@@ -8,7 +8,7 @@ cheap in any thread; `radixrt.sampling.sampler` turns them into tokens.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 

@@ -209,11 +209,13 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
 
         def close() -> None:
             release()
-            if progress.finished < num_requests:  # the client left, or the stream failed
-                state.metrics.observe_aborted(num_requests - progress.finished, progress.unfinished_tokens())
+            if progress.finished == num_requests:
+                return  # every request ended on its own: nothing to abort
+            # The client left, or the stream failed: stop what still runs.
+            state.metrics.observe_aborted(num_requests - progress.finished, progress.unfinished_tokens())
             for rid in rids:
                 try:
-                    runtime.abort(rid)  # a no-op for a request that finished
+                    runtime.abort(rid)  # aborts the unfinished requests of this id (or group)
                 except RuntimeError:  # the runtime is shutting down: nothing left to free
                     return
 
