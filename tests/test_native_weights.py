@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from radixrt import Runtime
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model import gguf_int4, linear
-from radixrt.model.gguf_int4 import CACHE_FILE, Int4Weight, read_projections
+from radixrt.model.gguf_int4 import CACHE_FILE, Int4Weight, read_lm_head, read_projections
 from radixrt.model.loader import bundled_model_path, load_model
 
 
@@ -36,6 +36,24 @@ def test_q4_1_and_q4_0_blocks_are_read_as_ggml_writes_them():
     q4_0 = struct.pack("<e", 0.5) + nibbles(codes)
     weight = gguf_int4._read({"w": fake_tensor("Q4_0", [q4_0])}, "w")
     assert torch.equal(weight.dequantize(), torch.tensor([[0.5 * (q - 8) for q in codes]]))
+
+
+def test_a_q8_0_block_is_two_4bit_weights_summing_to_it():
+    values = [-128, 127, 0, -1, 1, 64, -65, 15, 16, -16, *range(-40, 70, 5)]
+    assert len(values) == 32
+    block = struct.pack("<e", 0.125) + np.array(values, dtype=np.int8).tobytes()
+    high, low = gguf_int4._read_q8_0_as_int4_pair(fake_tensor("Q8_0", [block]))
+    assert high.codes.max() <= 15 and low.codes.max() <= 15
+    assert torch.equal(high.dequantize() + low.dequantize(), torch.tensor([[0.125 * q for q in values]]))
+
+
+def test_summed_int4_parts_equal_the_dense_product_of_their_sum():
+    parts = [random_int4(64, 96, seed=1), random_int4(64, 96, seed=2)]
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    out = linear.summed_in_float32([linear.int4(part, torch.bfloat16) for part in parts])(x)
+    expected = F.linear(x.float(), parts[0].dequantize() + parts[1].dequantize())
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
 
 
 def test_other_quantization_types_are_refused_by_name():
@@ -73,6 +91,9 @@ def test_native_projections_are_exactly_the_dense_weights(smollm2):
         for name, dense in (("qkv", layer.qkv_proj), ("o", layer.o_proj), ("gate_up", layer.gate_up_proj),
                             ("down", layer.down_proj)):
             assert torch.equal(native[name].dequantize(), dense), f"layer {layer.index} {name}"
+    head = read_lm_head(bundled_model_path())
+    assert len(head) == 2, "the bundled file stores its (tied) LM head as Q8_0: two 4-bit parts"
+    assert torch.equal(head[0].dequantize() + head[1].dequantize(), smollm2.model.lm_head)
 
 
 @pytest.mark.slow

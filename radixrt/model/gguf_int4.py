@@ -10,6 +10,14 @@ input dimension, exactly the file's values:
     Q4_0 block (18 bytes): scale d (fp16) | 16 bytes of codes                      w = d * (q - 8)
     codes: byte j holds element j (low nibble) and element j + 16 (high nibble)
 
+The LM head is the largest single weight of a small model (SmolLM2: 57 MB of
+the 123 MB a 4-bit step reads). Files usually store it as Q8_0 (a scale per
+32 signed bytes, w = d * q), which has no 8-bit kernel with per-block scales;
+but an 8-bit code is two 4-bit ones, q + 128 = 16 * hi + lo, so the head is
+kept as two 4-bit weights whose products sum to the file's:
+
+    hi: codes hi, scale 16 d, offset -128 d      lo: codes lo, scale d, offset 0
+
 llama.cpp's converter reorders the rows of each q and k projection (its
 rotary layout); they are put back in Hugging Face order here, as
 transformers does when it reads the file, so `dequantize()` equals the
@@ -32,6 +40,7 @@ from radixrt.model.config import ModelConfig
 
 GROUP_SIZE = 32
 SUPPORTED_TYPES = ("Q4_0", "Q4_1")
+LM_HEAD_TYPES = (*SUPPORTED_TYPES, "Q8_0")
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # Our fused projections and the GGUF tensors they are made of, in row order.
@@ -73,6 +82,15 @@ class Int4Weight:
         return Int4Weight(self.codes[order], self.scales[order], self.offsets[order])
 
 
+@dataclass(frozen=True)
+class NativeWeights:
+    """What `weights="native"` multiplies by: per layer its fused projections, and the LM head as
+    4-bit parts whose products sum to it (empty when the file stores the head in another type)."""
+
+    layers: list[dict[str, Int4Weight]]
+    lm_head: list[Int4Weight]
+
+
 CACHE_FILE = "int4_projections.safetensors"
 
 
@@ -86,31 +104,63 @@ def has_int4_projections(path: Path) -> bool:
     return bool(projections) and all(t.tensor_type.name in SUPPORTED_TYPES for t in projections)
 
 
-def load_projections(gguf_path: Path, cache_folder: Path, config: ModelConfig) -> list[dict[str, Int4Weight]]:
-    """`read_projections`, cached beside the converted dense weights: parsing the GGUF file's
-    blocks takes seconds, reading the cached codes a fraction of one."""
+def load_projections(gguf_path: Path, cache_folder: Path, config: ModelConfig) -> NativeWeights:
+    """`read_projections` and `read_lm_head`, cached beside the converted dense weights: parsing
+    the GGUF file's blocks takes seconds, reading the cached codes a fraction of one."""
     cached = cache_folder / CACHE_FILE
     if cached.is_file():
         tensors = load_file(cached)
-        return [
-            {
-                name: Int4Weight(tensors[f"{i}.{name}.codes"], tensors[f"{i}.{name}.scales"],
-                                 tensors[f"{i}.{name}.offsets"])
-                for name in _PROJECTIONS
-            }
-            for i in range(config.num_layers)
-        ]
-    layers = read_projections(gguf_path, config)
+        if "lm_head.parts" in tensors:  # caches written before the LM head was native lack it
+            return NativeWeights(
+                [{name: _cached(tensors, f"{i}.{name}") for name in _PROJECTIONS} for i in range(config.num_layers)],
+                [_cached(tensors, f"lm_head.{j}") for j in range(int(tensors["lm_head.parts"]))],
+            )
+    native = NativeWeights(read_projections(gguf_path, config), read_lm_head(gguf_path))
     flat = {
         f"{i}.{name}.{part}": getattr(weight, part).contiguous()
-        for i, layer in enumerate(layers)
+        for i, layer in enumerate(native.layers)
         for name, weight in layer.items()
         for part in ("codes", "scales", "offsets")
     }
+    flat.update(
+        {f"lm_head.{j}.{part}": getattr(weight, part).contiguous()
+         for j, weight in enumerate(native.lm_head) for part in ("codes", "scales", "offsets")}
+    )
+    flat["lm_head.parts"] = torch.tensor(len(native.lm_head))
     tmp = cache_folder / f".{CACHE_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
     save_file(flat, tmp)
     os.replace(tmp, cached)  # readers see the whole file or none
-    return layers
+    return native
+
+
+def _cached(tensors: dict[str, torch.Tensor], key: str) -> Int4Weight:
+    return Int4Weight(tensors[f"{key}.codes"], tensors[f"{key}.scales"], tensors[f"{key}.offsets"])
+
+
+def read_lm_head(path: Path) -> list[Int4Weight]:
+    """The LM head (`output.weight`, or `token_embd.weight` when the embedding is tied) as 4-bit
+    parts whose products sum to it: one for Q4_0/Q4_1, two for Q8_0 (see the module docstring),
+    none for any other type (the head then stays dense)."""
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    tensor = tensors.get(name)
+    if tensor is None or tensor.tensor_type.name not in LM_HEAD_TYPES:
+        return []
+    if tensor.tensor_type.name == "Q8_0":
+        return _read_q8_0_as_int4_pair(tensor)
+    return [_read(tensors, name)]
+
+
+def _read_q8_0_as_int4_pair(tensor: gguf.ReaderTensor) -> list[Int4Weight]:
+    blocks = np.asarray(tensor.data, dtype=np.uint8)
+    num_rows = blocks.shape[0]
+    blocks = blocks.reshape(num_rows, -1, 34)
+    scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    shifted = torch.from_numpy((blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
+    shifted = shifted.reshape(num_rows, -1)
+    high = Int4Weight(shifted >> 4, 16 * scales, -128 * scales)
+    low = Int4Weight(shifted & 0x0F, scales, torch.zeros_like(scales))
+    return [high, low]
 
 
 def read_projections(path: Path, config: ModelConfig) -> list[dict[str, Int4Weight]]:

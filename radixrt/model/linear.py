@@ -64,6 +64,19 @@ def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = Non
     return linear
 
 
+def summed_in_float32(parts: list[Linear]) -> Linear:
+    """The float32 sum of several linears' outputs: a GGUF Q8_0 LM head is two 4-bit weights
+    (`gguf_int4`), each product rounded to the activations' dtype once and added exactly."""
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        out = parts[0](x).float()
+        for part in parts[1:]:
+            out += part(x)
+        return out
+
+    return linear
+
+
 def by_rows(small: Linear, large: Linear, max_small_rows: int) -> Linear:
     """`small` for inputs of at most `max_small_rows` rows, else `large`.
 

@@ -22,7 +22,7 @@ from radixrt.kernels.base import AttentionBackend
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model import linear
 from radixrt.model.config import ModelConfig
-from radixrt.model.gguf_int4 import Int4Weight
+from radixrt.model.gguf_int4 import Int4Weight, NativeWeights
 from radixrt.model.rope import RotaryEmbedding
 
 
@@ -138,18 +138,25 @@ class LlamaForCausalLM(nn.Module):
             layer.prepack()
         self._lm_head = linear.pack(self.lm_head)
 
-    def use_int4_projections(self, layers: list[dict[str, Int4Weight]]) -> None:
-        """Multiply by 4-bit weights (`gguf_int4.read_projections`) in steps of few tokens.
+    def use_int4_projections(self, native: NativeWeights) -> None:
+        """Multiply by 4-bit weights (`gguf_int4.load_projections`) in steps of few tokens.
 
         Call after `prepack`: the dense projections stay for steps of more
-        than `INT4_MAX_ROWS` tokens (the embedding, norms and tied LM head are
-        dense anyway).
+        than `INT4_MAX_ROWS` tokens (the embedding and norms are dense anyway).
+        The LM head goes 4-bit too when the file stores it in a type we can
+        split into 4-bit parts; its dense copy stays for the embedding lookup.
         """
-        if len(layers) != len(self.layers):
-            raise ValueError(f"got 4-bit weights for {len(layers)} layers, the model has {len(self.layers)}")
-        for layer, weights in zip(self.layers, layers):
+        if len(native.layers) != len(self.layers):
+            raise ValueError(f"got 4-bit weights for {len(native.layers)} layers, the model has {len(self.layers)}")
+        for layer, weights in zip(self.layers, native.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.use_int4(weights)
+        for part in native.lm_head:
+            if part.shape != tuple(self.lm_head.shape):
+                raise ValueError(f"4-bit LM head shape {part.shape}, model expects {tuple(self.lm_head.shape)}")
+        if native.lm_head:
+            parts = [linear.int4(part, self.dtype) for part in native.lm_head]
+            self._lm_head = linear.by_rows(linear.summed_in_float32(parts), self._lm_head, INT4_MAX_ROWS)
 
     @property
     def device(self) -> torch.device:
