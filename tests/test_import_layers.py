@@ -16,7 +16,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "radixrt"
 
 # A module belongs to the layer of the longest prefix listed here.
 LAYERS: list[tuple[str, ...]] = [
-    ("radixrt.tree", "radixrt.memory", "radixrt.sampling", "radixrt.sampling.params"),
+    ("radixrt.tree", "radixrt.memory", "radixrt.sampling", "radixrt.sampling.params", "radixrt.paths"),
     ("radixrt.kernels",),
     ("radixrt.model", "radixrt.sampling.sampler", "radixrt.config"),
     ("radixrt.engine",),

@@ -17,6 +17,11 @@ Padding slots point at the sequence's first slot and are masked out; padded
 query rows are computed and dropped. Slots are whatever `kv_indices` says, so
 any `page_size` works.
 
+With a bf16 pool on a CPU where `radixrt.kernels.cpu` could build its C
+kernel, decode sequences skip the gather, the padding and SDPA: the kernel
+reads each sequence's keys in place (a `_PagedDecode` instead of a decode
+group). fp32 keeps SDPA: it is the dtype our exactness tests compare.
+
 Sequences that share a cached prefix of at least `shared_prefix_min_tokens` slots
 (a few-shot batch, the branches of a fork) are split in two (see
 `shared_prefix`): all their queries attend the shared prefix in one call, the
@@ -31,6 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from radixrt.kernels import cpu
 from radixrt.kernels.base import AttentionBackend
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.shared_prefix import (
@@ -68,6 +74,21 @@ class _Group:
 
 
 @dataclass(frozen=True)
+class _PagedDecode:
+    """Decode sequences for the C kernel: each one's keys are kv_indices[kv_starts[i]:][:kv_lens[i]]."""
+
+    with_lse: bool
+    kv_starts: torch.Tensor  # [num_seqs] int64
+    kv_lens: torch.Tensor  # [num_seqs] int64
+    q_rows: torch.Tensor  # [num_seqs] int64, each sequence's row in the batch's new tokens
+    whole_batch: bool  # the batch's only sequences, in row order
+
+    @property
+    def out_rows(self) -> torch.Tensor:
+        return self.q_rows
+
+
+@dataclass(frozen=True)
 class _Cascade:
     """A shared prefix and the batch rows (its members' new tokens) that attend it."""
 
@@ -77,12 +98,19 @@ class _Cascade:
 
 @dataclass(frozen=True)
 class TorchAttentionPlan:
-    groups: tuple[_Group, ...]
+    groups: tuple[_Group | _PagedDecode, ...]
     cascades: tuple[_Cascade, ...]
 
 
 class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
     name = "torch"
+
+    def _setup(self) -> None:
+        shape = self.kv_cache.shape
+        usable = self.kv_cache.device.type == "cpu" and cpu.supports(
+            self.num_q_heads, self.num_kv_heads, self.head_dim, shape.dtype
+        )
+        self._decode_kernel = cpu.decode_attention() if usable else None
 
     def plan(self, batch: ForwardBatch) -> TorchAttentionPlan:
         device = self.kv_cache.device
@@ -100,16 +128,20 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         cascades = tuple(_Cascade(prefix, batch.token_rows(prefix.members, device)) for prefix in shared)
         return TorchAttentionPlan(tuple(groups), cascades)
 
-    def _groups(self, seqs: list["_Seq"], batch: ForwardBatch, with_lse: bool) -> list[_Group]:
+    def _groups(self, seqs: list["_Seq"], batch: ForwardBatch, with_lse: bool) -> list[_Group | _PagedDecode]:
         device, dtype = self.kv_cache.device, self.kv_cache.shape.dtype
         decode = [s for s in seqs if s[2] == 1]
         extend = sorted((s for s in seqs if s[2] > 1), key=lambda s: (s[1] + s[2], s[2]), reverse=True)
-        groups = [_decode_group(decode, batch, device, dtype, with_lse)] if decode else []
-        groups += [_extend_group(members, batch, device, dtype, with_lse) for members in _pack(extend)]
+        groups = [_extend_group(members, batch, device, dtype, with_lse) for members in _pack(extend)]
+        if decode and self._decode_kernel is None:
+            groups.insert(0, _decode_group(decode, batch, device, dtype, with_lse))
         if with_lse:  # their queries are folded (see _partial): fold the masks' rows once, here
             group_size = self.num_q_heads // self.num_kv_heads
             groups = [_fold_mask_rows(g, group_size) for g in groups]
-        return groups
+        if decode and self._decode_kernel is not None:
+            whole_batch = len(decode) == batch.num_seqs and not with_lse
+            return [_paged_decode(decode, with_lse, whole_batch), *groups]
+        return list(groups)
 
     def attend(
         self,
@@ -121,10 +153,23 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         plan: TorchAttentionPlan,
     ) -> torch.Tensor:
         k_pool, v_pool = self.kv_cache.k[layer], self.kv_cache.v[layer]
-        out = None if plan.groups[0].out_rows is None else torch.empty_like(q)
+        first = plan.groups[0]
+        out = None if first.out_rows is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.cascades:
-            tail_out, tail_lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            tail_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            tail_lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for group in plan.groups:
+            if isinstance(group, _PagedDecode):
+                assert self._decode_kernel is not None
+                if q.stride(2) != 1 or q.stride(1) != self.head_dim:
+                    q = q.contiguous()
+                target, lse = (tail_out, tail_lse) if group.with_lse else (out, None)
+                assert target is not None
+                self._decode_kernel(q, k_pool, v_pool, batch.kv_indices, group.kv_starts, group.kv_lens,
+                                    group.q_rows, group.out_rows, target, lse, self.scale)
+                if group.whole_batch:
+                    return target
+                continue
             k_group = k_pool.index_select(0, group.kv_slots).view(group.num_seqs, group.kv_len, self.num_kv_heads, -1)
             v_group = v_pool.index_select(0, group.kv_slots).view(group.num_seqs, group.kv_len, self.num_kv_heads, -1)
             k_group, v_group = k_group.transpose(1, 2), v_group.transpose(1, 2)
@@ -210,6 +255,17 @@ def _padded_slots(members: list[_Seq], kv_len: int, batch: ForwardBatch, device:
     offsets = torch.arange(kv_len, device=device)
     offsets = torch.where(offsets[None, :] < lens[:, None], offsets[None, :], 0)
     return batch.kv_indices.to(device)[(starts[:, None] + offsets).reshape(-1)]
+
+
+def _paged_decode(members: list[_Seq], with_lse: bool, whole_batch: bool) -> _PagedDecode:
+    columns = list(zip(*members))  # index, prefix_len, extend_len, kv_start, q_start
+    return _PagedDecode(
+        with_lse=with_lse,
+        kv_starts=torch.tensor(columns[3], dtype=torch.int64),
+        kv_lens=torch.tensor(columns[1], dtype=torch.int64) + 1,
+        q_rows=torch.tensor(columns[4], dtype=torch.int64),
+        whole_batch=whole_batch,
+    )
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

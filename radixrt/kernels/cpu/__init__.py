@@ -1,0 +1,146 @@
+"""C kernels for the CPU path, compiled on first use by the machine's C compiler.
+
+torch's CPU attention is built for long query blocks: for decode (one query
+per sequence) its flash kernel spends most of its time on per-call and
+per-block setup, and the padded gather in front of it copies every key once
+more per layer. `decode_attention.c` reads each key and value once, in
+place, for all the query heads that share it. It is compiled with
+`-march=native` for this machine, cached under `cache_root()/kernels`, and
+loaded with ctypes (no torch headers, so building takes about a second).
+Without a C compiler, or if building fails, `decode_attention()` returns
+None and the caller keeps torch's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+import uuid
+from pathlib import Path
+
+import torch
+
+from radixrt.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("decode_attention.c")
+# No -ffast-math: linking it would switch the whole process to flush-to-zero floats.
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
+# Shapes the kernel's fixed-size buffers hold (MAX_GROUP, MAX_HEAD_DIM in the source).
+MAX_GROUP = 16
+MAX_HEAD_DIM = 256
+
+_lock = threading.Lock()
+_loaded: dict[str, "DecodeAttention | None"] = {}
+
+
+class DecodeAttention:
+    """`radixrt_decode_attention_bf16` with its argument types, over torch tensors."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.radixrt_decode_attention_bf16
+        pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._fn.argtypes = [
+            pointer, i64, pointer,  # q, q_row_stride, q_rows
+            pointer, pointer,  # k_pool, v_pool
+            pointer, pointer, pointer,  # kv_indices, kv_starts, kv_lens
+            i32, i32, i32, i32, ctypes.c_float, i32,  # num_seqs, Hq, Hkv, D, scale, num_threads
+            pointer, pointer, pointer,  # out_rows, out, lse
+        ]
+        self._fn.restype = i32
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_starts: torch.Tensor,
+        kv_lens: torch.Tensor,
+        q_rows: torch.Tensor,
+        out_rows: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        scale: float,
+    ) -> None:
+        """Attention of the query rows `q[q_rows[s]]` ([*, Hq, D] bf16, head stride D) over the
+        pool slots `kv_indices[kv_starts[s]:][:kv_lens[s]]`, written to `out[out_rows[s]]`
+        ([*, Hq, D] bf16, contiguous) and, if given, natural-log `lse[out_rows[s]]` ([*, Hq] fp32).
+
+        Index tensors are int64 and contiguous; the caller keeps every tensor alive and checks
+        shapes (`supports`): the kernel trusts them.
+        """
+        num_q_heads, head_dim = q.shape[1], q.shape[2]
+        status = self._fn(
+            q.data_ptr(), q.stride(0), q_rows.data_ptr(),
+            k_pool.data_ptr(), v_pool.data_ptr(),
+            kv_indices.data_ptr(), kv_starts.data_ptr(), kv_lens.data_ptr(),
+            kv_starts.numel(), num_q_heads, k_pool.shape[1], head_dim, scale, torch.get_num_threads(),
+            out_rows.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+        )  # fmt: skip
+        if status:
+            raise ValueError(f"decode attention kernel refused shapes q {tuple(q.shape)}, pool {tuple(k_pool.shape)}")
+
+
+def supports(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel handles this attention shape and KV dtype."""
+    group = num_q_heads // num_kv_heads
+    return dtype == torch.bfloat16 and group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
+
+
+def decode_attention() -> DecodeAttention | None:
+    """The compiled kernel, built on the first call in any process on this machine; None without one."""
+    with _lock:
+        if "decode_attention" not in _loaded:
+            _loaded["decode_attention"] = _load()
+        return _loaded["decode_attention"]
+
+
+def _load() -> DecodeAttention | None:
+    if platform.system() != "Linux":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found (set CC): decode attention uses torch's slower path")
+        return None
+    try:
+        library = _build(compiler)
+        return DecodeAttention(ctypes.CDLL(str(library)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("could not build the CPU decode-attention kernel (%s); using torch's path", detail)
+        return None
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source, compiler and CPU, compiled if not cached yet."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+        digest.update(part)
+    target = cache_root() / "kernels" / f"{_SOURCE.stem}-{digest.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    logger.info("compiling %s for this CPU (once per machine)", _SOURCE.name)
+    subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True,
+                   check=True)
+    os.replace(tmp, target)  # a concurrent build writes the same bytes; readers see a whole file
+    return target
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: -march=native code must not be reused on another CPU."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()

@@ -1,0 +1,94 @@
+"""The CPU decode-attention C kernel against an fp32 softmax reference, and its use by the torch backend."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixrt.kernels import cpu
+from radixrt.kernels.registry import create_backend
+from radixrt.kernels.torch_backend import _PagedDecode
+from tests.test_torch_backend import BATCHES, make_case, make_shared_case, reference
+
+needs_kernel = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the CPU kernel"
+)
+
+
+def kernel() -> cpu.DecodeAttention:
+    built = cpu.decode_attention()
+    assert built is not None, "a C compiler is on this machine, so the kernel must build"
+    return built
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 700), min_size=1, max_size=5),
+    heads=st.sampled_from([(4, 4, 64), (9, 3, 64), (8, 1, 128), (12, 2, 96), (16, 1, 32)]),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_matches_softmax_reference(lens, heads, seed):
+    """Any lengths (several 256-key chunks merged), GQA groups, head sizes, scattered slots."""
+    num_q_heads, num_kv_heads, head_dim = heads
+    generator = torch.Generator().manual_seed(seed)
+    num_slots = sum(lens) + 7
+    k_pool = torch.randn(num_slots, num_kv_heads, head_dim, generator=generator).bfloat16()
+    v_pool = torch.randn(num_slots, num_kv_heads, head_dim, generator=generator).bfloat16()
+    kv_indices = torch.randperm(num_slots, generator=generator)[: sum(lens)]
+    kv_lens = torch.tensor(lens)
+    kv_starts = torch.cumsum(kv_lens, 0) - kv_lens
+    # q rows are strided (a view into a wider qkv row) and out rows are permuted
+    qkv = torch.randn(len(lens), num_q_heads + 2 * num_kv_heads, head_dim, generator=generator).bfloat16()
+    q = qkv[:, :num_q_heads]
+    rows = torch.randperm(len(lens), generator=generator)
+    out = torch.zeros(len(lens), num_q_heads, head_dim, dtype=torch.bfloat16)
+    lse = torch.zeros(len(lens), num_q_heads)
+    scale = head_dim**-0.5
+    kernel()(q, k_pool, v_pool, kv_indices, kv_starts, kv_lens, torch.arange(len(lens)), rows, out, lse, scale)
+    group = num_q_heads // num_kv_heads
+    for i, (start, length) in enumerate(zip(kv_starts.tolist(), lens)):
+        slots = kv_indices[start : start + length]
+        keys = k_pool[slots].float().repeat_interleave(group, dim=1)
+        values = v_pool[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[i].float(), keys) * scale
+        expected = torch.einsum("hs,shd->hd", scores.softmax(-1), values)
+        torch.testing.assert_close(out[rows[i]].float(), expected, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse[rows[i]], scores.logsumexp(-1), atol=1e-4, rtol=1e-5)
+
+
+def test_kernel_shapes_and_dtypes_it_does_not_take_stay_on_torch():
+    assert not cpu.supports(8, 8, 64, torch.float32)
+    assert not cpu.supports(32, 1, 64, torch.bfloat16)  # more query heads per KV head than it holds
+    assert not cpu.supports(4, 4, 512, torch.bfloat16)
+    cache, batch, *_ = make_case(BATCHES["decode-ragged"], 1, 4, 2, 64)
+    backend = create_backend("torch", cache, 4, 2, 64)
+    assert not any(isinstance(group, _PagedDecode) for group in backend.plan(batch).groups)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", ["decode-equal", "decode-ragged", "mixed"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_backend_decodes_bfloat16_through_the_kernel(layout, page_size):
+    cache, batch, q, k, v = make_case(BATCHES[layout], page_size, 6, 2, 64, dtype=torch.bfloat16)
+    backend = create_backend("torch", cache, 6, 2, 64)
+    plan = backend.plan(batch)
+    assert any(isinstance(group, _PagedDecode) for group in plan.groups)
+    out = backend.forward(q, k, v, 1, batch, plan)
+    torch.testing.assert_close(out.float(), reference(cache, batch, q, k, v, 1), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_shared_prefix_tails_use_the_kernel_with_log_sum_exps():
+    """Decodes after a shared prefix: the kernel attends the tails and returns their LSEs for the merge."""
+    specs = [(80, 1), (95, 1), (120, 1)]
+    cache, batch, q, k, v = make_shared_case(64, specs, 1, 6, 2, 64, dtype=torch.bfloat16)
+    backend = create_backend("torch", cache, 6, 2, 64, shared_prefix_min_tokens=32)
+    plan = backend.plan(batch)
+    assert plan.cascades and any(isinstance(g, _PagedDecode) and g.with_lse for g in plan.groups)
+    out = backend.forward(q, k, v, 0, batch, plan)
+    torch.testing.assert_close(out.float(), reference(cache, batch, q, k, v, 0), atol=2e-2, rtol=2e-2)
