@@ -92,3 +92,32 @@ def test_shared_prefix_tails_use_the_kernel_with_log_sum_exps():
     assert plan.cascades and any(isinstance(g, _PagedDecode) and g.with_lse for g in plan.groups)
     out = backend.forward(q, k, v, 0, batch, plan)
     torch.testing.assert_close(out.float(), reference(cache, batch, q, k, v, 0), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_rms_norm_is_transformers_rms_norm_up_to_summation_order(rows):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = cpu.rms_norm()
+    assert norm is not None
+    generator = torch.Generator().manual_seed(rows)
+    hidden = torch.randn(rows, 576, generator=generator).bfloat16()
+    residual = torch.randn(rows, 576, generator=generator).bfloat16()
+    reference = LlamaRMSNorm(576, eps=1e-5).bfloat16()
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn(576, generator=generator))
+        total = hidden + residual
+        expected = reference(total)
+        summed = hidden.clone()
+        for got, want in ((norm(hidden.clone(), reference.weight, 1e-5), reference(hidden)),
+                          (norm(summed, reference.weight, 1e-5, residual), expected)):
+            # the same arithmetic; only the sum of squares runs in another order, which moves
+            # a rare element by one bf16 step
+            assert (got != want).float().mean() < 0.01
+            torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
+        assert torch.equal(summed, total), "the residual is added into hidden in place"
+        # each row is reduced alone: a row's result does not depend on the batch around it
+        assert torch.equal(norm(total[-1:].clone(), reference.weight, 1e-5), expected[-1:])
+    with pytest.raises(ValueError, match="contiguous"):
+        norm(torch.cat([hidden, hidden], dim=1)[:, ::2], reference.weight, 1e-5)

@@ -1,14 +1,21 @@
 """C kernels for the CPU path, compiled on first use by the machine's C compiler.
 
-torch's CPU attention is built for long query blocks: for decode (one query
-per sequence) its flash kernel spends most of its time on per-call and
-per-block setup, and the padded gather in front of it copies every key once
-more per layer. `decode_attention.c` reads each key and value once, in
-place, for all the query heads that share it. It is compiled with
-`-march=native` for this machine, cached under `cache_root()/kernels`, and
-loaded with ctypes (no torch headers, so building takes about a second).
-Without a C compiler, or if building fails, `decode_attention()` returns
-None and the caller keeps torch's path.
+A decode step is hundreds of small ops; where torch's CPU kernels spend more
+on setup than on arithmetic at those sizes, a plain C loop does the job:
+
+    decode_attention.c  torch's CPU attention is built for long query blocks:
+                        for one query per sequence its flash kernel spends
+                        most of its time on per-block setup, and the padded
+                        gather in front of it copies every key once more per
+                        layer. Here each key and value is read once, in
+                        place, for all the query heads that share it.
+    rms_norm.c          torch's bf16 rms_norm is about eight ops; here one
+                        pass, with the residual add fused in.
+
+The sources are compiled together with `-march=native` for this machine,
+cached under `cache_root()/kernels`, and loaded with ctypes (no torch
+headers, so building takes a second or two). Without a C compiler, or if
+building fails, the accessors return None and callers keep torch's path.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from radixrt.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("decode_attention.c")
+_SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 # No -ffast-math: linking it would switch the whole process to flush-to-zero floats.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
 # Shapes the kernel's fixed-size buffers hold (MAX_GROUP, MAX_HEAD_DIM in the source).
@@ -38,7 +45,7 @@ MAX_GROUP = 16
 MAX_HEAD_DIM = 256
 
 _lock = threading.Lock()
-_loaded: dict[str, "DecodeAttention | None"] = {}
+_library: list[ctypes.CDLL | None] = []  # empty until the first accessor call, then [library or None]
 
 
 class DecodeAttention:
@@ -95,43 +102,79 @@ def supports(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dt
     return dtype == torch.bfloat16 and group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
 
 
+class RMSNorm:
+    """`radixrt_rms_norm_bf16` over torch tensors."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.radixrt_rms_norm_bf16
+        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [pointer, pointer, pointer, pointer, i64, i64, ctypes.c_float, ctypes.c_int]
+        self._fn.restype = None
+
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """RMSNorm of `hidden`'s rows ([T, dim] bf16, contiguous) by `weight`; with `residual`
+        (same shape), `hidden += residual` first, in place, and the sum is normalized."""
+        if not (hidden.is_contiguous() and (residual is None or residual.is_contiguous())):
+            raise ValueError("rms_norm needs contiguous rows: it adds the residual in place")
+        out = torch.empty_like(hidden)
+        self._fn(
+            hidden.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            hidden.shape[0], hidden.shape[1], eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
 def decode_attention() -> DecodeAttention | None:
-    """The compiled kernel, built on the first call in any process on this machine; None without one."""
+    """The compiled decode-attention kernel; None where it cannot be built."""
+    library = _load()
+    return None if library is None else DecodeAttention(library)
+
+
+def rms_norm() -> RMSNorm | None:
+    """The compiled bf16 RMSNorm; None where it cannot be built."""
+    library = _load()
+    return None if library is None else RMSNorm(library)
+
+
+def _load() -> ctypes.CDLL | None:
+    """The kernels' library, built on the first call in any process on this machine."""
     with _lock:
-        if "decode_attention" not in _loaded:
-            _loaded["decode_attention"] = _load()
-        return _loaded["decode_attention"]
+        if not _library:
+            _library.append(_build_and_open())
+        return _library[0]
 
 
-def _load() -> DecodeAttention | None:
+def _build_and_open() -> ctypes.CDLL | None:
     if platform.system() != "Linux":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found (set CC): decode attention uses torch's slower path")
+        logger.warning("no C compiler found (set CC): radixrt's CPU kernels fall back to torch's slower ops")
         return None
     try:
-        library = _build(compiler)
-        return DecodeAttention(ctypes.CDLL(str(library)))
+        return ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
-        logger.warning("could not build the CPU decode-attention kernel (%s); using torch's path", detail)
+        logger.warning("could not build radixrt's CPU kernels (%s); using torch's ops", detail)
         return None
 
 
 def _build(compiler: str) -> Path:
-    """The shared library for this source, compiler and CPU, compiled if not cached yet."""
+    """The shared library for these sources, compiler and CPU, compiled if not cached yet."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (*(source.read_bytes() for source in _SOURCES), " ".join(_FLAGS).encode(), version.encode(),
+                 _cpu_flags().encode()):
         digest.update(part)
-    target = cache_root() / "kernels" / f"{_SOURCE.stem}-{digest.hexdigest()[:16]}.so"
+    target = cache_root() / "kernels" / f"radixrt_cpu-{digest.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    logger.info("compiling %s for this CPU (once per machine)", _SOURCE.name)
-    subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True,
+    logger.info("compiling radixrt's CPU kernels for this CPU (once per machine, a few seconds)")
+    subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(tmp), "-lm"], capture_output=True, text=True,
                    check=True)
     os.replace(tmp, target)  # a concurrent build writes the same bytes; readers see a whole file
     return target
