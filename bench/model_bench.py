@@ -33,7 +33,8 @@ import transformers
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
 from radixrt.memory.kv_cache import KVCache
-from radixrt.model.loader import LoadedModel, load_model
+from radixrt.model.gguf_int4 import read_lm_head
+from radixrt.model.loader import LoadedModel, bundled_model_path, load_model
 from radixrt.model.runner import ModelRunner
 
 
@@ -124,15 +125,23 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def step_weight_bytes(loaded: LoadedModel) -> int:
-    """Bytes of weights one batch-1 decode step reads: the projections (as stored) and the LM head."""
+    """Bytes of weights one batch-1 decode step reads: the projections and the LM head, as stored
+    (native: 4-bit codes, and a scale and a zero per 32 in the model's dtype; a Q8_0 head is two
+    such 4-bit parts)."""
     model = loaded.model
-    total = model.lm_head.numel() * model.lm_head.element_size()
+
+    def int4_bytes(numel: int) -> int:
+        return numel // 2 + numel // 32 * 2 * model.lm_head.element_size()
+
+    def dense_bytes(weight: torch.Tensor) -> int:
+        return weight.numel() * weight.element_size()
+
+    native = loaded.weights == "native"
+    head_parts = len(read_lm_head(bundled_model_path())) if native else 0  # the bench loads the bundled model
+    total = head_parts * int4_bytes(model.lm_head.numel()) if head_parts else dense_bytes(model.lm_head)
     for layer in model.layers:
         for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            if loaded.weights == "native":  # 4-bit codes, and a scale and a zero per 32 in the model's dtype
-                total += weight.numel() // 2 + weight.numel() // 32 * 2 * weight.element_size()
-            else:
-                total += weight.numel() * weight.element_size()
+            total += int4_bytes(weight.numel()) if native else dense_bytes(weight)
     return total
 
 
