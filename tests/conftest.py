@@ -11,9 +11,11 @@ Fixtures (all CPU, fp32 unless said otherwise):
     make_tiny_hf_model   function factory: (**LlamaConfig/Qwen2Config/MistralConfig kwargs,
                                   architecture="llama"|"qwen2"|"mistral", seed=0) ->
                                   transformers model with random weights, biases included
-    smollm2              session  LoadedModel of the bundled SmolLM2-135M-Instruct; the
+    smollm2              session  LoadedModel of the bundled SmolLM2-135M-Instruct (float32); the
                                   first run converts the GGUF into the real cache folder
-                                  ($RADIXRT_CACHE_DIR or ~/.cache/radixrt), later runs reuse it
+                                  ($RADIXRT_CACHE_DIR or ~/.cache/radixrt), later runs reuse it.
+                                  Loading takes seconds, so tests share it: Runtime(smollm2, ...)
+                                  runs over these weights with its own KV pool
     smollm2_hf           session  transformers model with the same weights (from smollm2.path)
     make_runner          function factory: (model, num_pages, page_size=1, backend="torch")
                                   -> (ModelRunner, PagePool) over a fresh KV pool
@@ -26,6 +28,14 @@ Fixtures (all CPU, fp32 unless said otherwise):
 """
 
 from __future__ import annotations
+
+import os
+
+# Before torch loads its OpenMP runtime: idle OpenMP workers sleep instead of spinning. The
+# suite runs on a shared 2-core machine, where spinning workers fight every other process for
+# the cores: measured there under load, model steps on the main thread (transformers
+# references, paged_greedy) ran 3-7x slower with the default policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from collections.abc import Callable
 from pathlib import Path

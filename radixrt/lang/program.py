@@ -117,15 +117,37 @@ class Program:
         return state
 
     def _bind(self, args: Sequence[Any], kwargs: dict[str, Any], where: str | None = None) -> None:
+        """TypeError naming every unexpected and every missing argument at once: a misspelt
+        keyword shows up as both, and the pair makes the typo plain."""
         try:
             self._signature.bind(None, *args, **kwargs)
         except TypeError as error:
-            raise TypeError(f"{where or self.func.__name__}: {error}") from None
+            problems = _argument_problems(self._signature, len(args), kwargs)
+            raise TypeError(f"{where or self.func.__name__}: {problems or error}") from None
 
 
 def function(func: Callable[..., Any]) -> Program:
     """Decorate `def program(s, ...)` to make a Program."""
     return Program(func)
+
+
+def _argument_problems(signature: inspect.Signature, num_positional: int, kwargs: dict[str, Any]) -> str:
+    """The unexpected keywords and the missing parameters of a call (the state excluded), or ""."""
+    params = list(signature.parameters.values())[1:]
+    kinds = {p.kind for p in params}
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    filled = {p.name for p in params[:num_positional] if p.kind != p.VAR_POSITIONAL} | set(kwargs)
+    problems = []
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        unexpected = [name for name in kwargs if name not in {p.name for p in named}]
+        if unexpected:
+            problems.append("unexpected argument(s) " + ", ".join(map(repr, unexpected)))
+    missing = [p.name for p in named if p.default is p.empty and p.name not in filled]
+    if missing:
+        problems.append("missing argument(s) " + ", ".join(map(repr, missing)))
+    if problems:
+        problems.append("the program takes " + (", ".join(p.name for p in named) or "no arguments"))
+    return "; ".join(problems)
 
 
 def _resolve_runtime(runtime: Any) -> Any:

@@ -110,6 +110,7 @@ class ProgramState:
         return self._ctx.meta_info[self._known(name)]
 
     def text(self) -> str:
+        """The whole text so far, prompt and generated parts, once this state's queued operations are done."""
         self._executor.wait()
         return self._ctx.text()
 

@@ -57,16 +57,16 @@ def gguf_to_hf_folder(gguf_path: Path) -> Path:
     folder = cached_folder(gguf_path)
     if folder.is_dir():
         return folder
-    check_gguf(gguf_path)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    _remove_orphaned_tmp(folder)
-    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     logger.info(
         "converting %s into a Hugging Face folder in %s: once per model, roughly %.0f s on a 2-core CPU; "
         "later starts read the folder (set %s to keep it elsewhere)",
         gguf_path.name, folder.parent, max(gguf_path.stat().st_size / _CONVERT_BYTES_PER_S, 5.0), CACHE_ENV_VAR,
     )
     started = time.perf_counter()
+    check_gguf(gguf_path)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphaned_tmp(folder)
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _convert(gguf_path, tmp)
         try:

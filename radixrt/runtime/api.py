@@ -27,6 +27,11 @@ class Runtime:
 
     >>> rt = Runtime()                       # the bundled SmolLM2-135M-Instruct
     >>> rt.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})["text"]
+
+    `model` is a Hugging Face folder, a .gguf file, None (the bundled
+    model), or a `LoadedModel` from `radixrt.model.loader.load_model`:
+    several runtimes can share one loaded model's weights (only read during
+    a step), each with its own KV pool and cache, and skip loading it again.
     """
 
     def __init__(self, model: Any = None, **config: Any):
@@ -144,7 +149,10 @@ class Runtime:
 
     # --- cache -------------------------------------------------------------------------
     def cache_stats(self) -> dict[str, float | int]:
-        """Hit rate (cached prompt tokens / prompt tokens), tree and pool usage, evictions."""
+        """Hit rate (cached prompt tokens / prompt tokens), tree and pool usage, evictions.
+
+        RuntimeError after `shutdown()`: the numbers would describe a runtime that is gone.
+        """
         stats: dict[str, float | int] = self._driver.call(self.engine.stats)
         return stats
 
@@ -158,6 +166,11 @@ class Runtime:
         return self._driver.is_alive()
 
     def shutdown(self) -> None:
+        """Stop the engine thread; calls still waiting for a request raise RuntimeError.
+
+        Safe to call twice. Afterwards every method that needs the engine raises
+        RuntimeError rather than answer for a runtime that is gone.
+        """
         self._driver.shutdown()
 
     def __enter__(self) -> Runtime:

@@ -8,6 +8,10 @@ post an abort or ask for stats.
 Sizing the KV pool is the one decision made when building: an explicit
 `max_total_tokens`, else a share of free GPU memory after the weights, else a
 byte budget on the CPU.
+
+At log level info the build ends with one summary line (model, dtype,
+device, backend, KV pool), and while there is work the thread logs a status
+line every `STATUS_INTERVAL_S`, so a long batch job shows it is moving.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,11 +34,13 @@ from radixrt.engine.radix_cache import RadixCacheManager
 from radixrt.engine.request import Request
 from radixrt.kernels.registry import create_backend
 from radixrt.memory import KVCache, KVShape, PagePool
-from radixrt.model.loader import LoadedModel, load_model
+from radixrt.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixrt.model.runner import ModelRunner
 from radixrt.runtime.inputs import RequestLimits
 
-logger = logging.getLogger("radixrt")
+logger = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -45,17 +52,24 @@ class BuiltEngine:
 
 
 def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
-    """Load the model, size the KV pool and wire the engine's parts together."""
+    """Load the model (or take a loaded one), size the KV pool and wire the engine's parts together."""
+    started = time.perf_counter()
     wanted = config.device
     if wanted == "auto":
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
-    loaded = load_model(model, device=wanted, dtype=config.dtype, weights=config.weights)
+    if isinstance(model, LoadedModel):
+        check_loaded_model(model, config)
+        loaded = model
+    else:
+        loaded = load_model(model, device=wanted, dtype=config.dtype, weights=config.weights)
     device = loaded.model.device
     model_config = loaded.config
     shape = model_config.kv_shape(loaded.model.dtype)
     num_pages = pool_tokens(config, shape, device) // config.page_size
     if num_pages < 1:
         raise ValueError("the KV budget holds less than one page; raise max_total_tokens or the memory budget")
+    logger.info("allocating the KV pool: %d tokens, %.0f MB", num_pages * config.page_size,
+                num_pages * config.page_size * shape.bytes_per_token / 2**20)
     kv_cache = KVCache(shape, num_pages * config.page_size, device)
     backend = create_backend(
         config.attention_backend,
@@ -74,7 +88,25 @@ def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
         context_len=model_config.context_len,
         pool_tokens=num_pages * config.page_size,
     )
+    logger.info(
+        "ready in %.1f s: %s, %s on %s, %s weights, attention backend %s, KV pool %d tokens (%.0f MB), "
+        "page size %d, radix cache %s",
+        time.perf_counter() - started, loaded.name, str(loaded.model.dtype).removeprefix("torch."), device,
+        loaded.weights, backend.name, kv_cache.num_slots, kv_cache.total_bytes / 2**20, config.page_size,
+        "off" if config.disable_radix_cache else "on",
+    )
     return BuiltEngine(Engine(runner, cache, config), loaded, limits, tuple(eos_token_ids(loaded)))
+
+
+def check_loaded_model(loaded: LoadedModel, config: RuntimeConfig) -> None:
+    """A model loaded beforehand is used as it is: device, dtype and weights must be "auto" or match it."""
+    device, dtype = loaded.model.device, loaded.model.dtype
+    if config.device != "auto" and resolve_device(config.device).type != device.type:
+        raise ValueError(f"device {config.device!r} asked for, but the loaded model is on {device}")
+    if config.dtype != "auto" and resolve_dtype(config.dtype, device) != dtype:
+        raise ValueError(f"dtype {config.dtype!r} asked for, but the loaded model is in {dtype}")
+    if config.weights not in ("auto", loaded.weights):
+        raise ValueError(f"weights {config.weights!r} asked for, but the loaded model's are {loaded.weights!r}")
 
 
 def pool_tokens(config: RuntimeConfig, shape: KVShape, device: torch.device) -> int:
@@ -101,7 +133,9 @@ class EngineDriver:
         self._cv = threading.Condition()
         self._actions: list[tuple[str, Any]] = []
         self._closed = False
+        self._shut_down = False  # by shutdown(); _closed also covers an engine error
         self._engine_error: BaseException | None = None
+        self._status = StatusLine(engine)
         self._thread = threading.Thread(target=self._loop, name="radixrt-engine", daemon=True)
         self._thread.start()
         _live_drivers.add(self)
@@ -121,9 +155,12 @@ class EngineDriver:
         if threading.current_thread() is self._thread:
             return fn()
         with self._cv:
-            closed = self._closed
+            closed, shut_down = self._closed, self._shut_down
+        if shut_down:
+            raise RuntimeError("the runtime is shut down")
         if closed or not self._thread.is_alive():
-            self._thread.join()  # a shut-down engine finishes its last step first
+            # Stopped by an engine error: once the thread has ended, its state is safe to read (and worth it).
+            self._thread.join()
             return fn()
         reply: queue.Queue[tuple[bool, Any]] = queue.Queue()
         self._post("call", (fn, reply))
@@ -138,7 +175,7 @@ class EngineDriver:
 
     def shutdown(self) -> None:
         with self._cv:
-            self._closed = True
+            self._closed = self._shut_down = True
             self._cv.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
@@ -167,6 +204,7 @@ class EngineDriver:
                     self._apply(action, payload)
                 if self.engine.has_work:
                     self.engine.step()
+                    self._status.tick(busy=self.engine.has_work)
         except Exception as error:  # an engine bug: fail every request, keep the process alive
             logger.exception("engine step failed")
             failure = self._engine_error = error
@@ -200,6 +238,38 @@ class EngineDriver:
         for req in waiting:
             if req.on_output is not None:
                 req.on_output(reason)
+
+
+class StatusLine:
+    """Every `interval_s` of stepping, one info line: requests, pool use, hit rate, generation speed.
+
+    Called by the engine thread after each step, so it reads the engine
+    directly; an idle engine does not step and so logs nothing.
+    """
+
+    def __init__(self, engine: Engine, interval_s: float = STATUS_INTERVAL_S):
+        self.engine = engine
+        self.interval_s = interval_s
+        self._last_time = time.perf_counter()
+        self._last_tokens = 0
+
+    def tick(self, busy: bool) -> None:
+        """After a step; `busy`: work remains. The interval restarts when the engine goes idle."""
+        now = time.perf_counter()
+        if not busy:
+            self._last_time, self._last_tokens = now, self.engine.num_generated_tokens
+            return
+        if now - self._last_time < self.interval_s:
+            return
+        stats = self.engine.stats()
+        generated = int(stats["generated_tokens"])
+        logger.info(
+            "running %d, queued %d, KV pool %.0f%% used, cache hit rate %.1f%%, generation %.1f tokens/s",
+            stats["running_requests"], stats["waiting_requests"],
+            100 * stats["pool_used_tokens"] / max(stats["pool_total_tokens"], 1), 100 * stats["hit_rate"],
+            (generated - self._last_tokens) / (now - self._last_time),
+        )
+        self._last_time, self._last_tokens = now, generated
 
 
 # The engine thread is a daemon so a forgotten Runtime never blocks exit, but

@@ -142,6 +142,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
+        """True when sampling can only pick the top token (a temperature below GREEDY_TEMPERATURE,
+        or top_k 1): the sampler then takes an argmax, with no softmax and no random draw."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
