@@ -16,6 +16,7 @@ own 4-bit projections (transformers always runs the dense weights).
 Not a test: nothing is asserted.
 
     python bench/model_bench.py [--dtypes fp32,bf16] [--weights dense,native] [--prefill-len 512]
+                                [--context 256] [--batch-sizes 1,8,32] [--threads 1,2]
 """
 
 from __future__ import annotations
@@ -163,6 +164,10 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--statistic", choices=("median", "min"), default="median")
+    parser.add_argument(
+        "--threads", default=str(torch.get_num_threads()),
+        help="torch thread counts to measure, e.g. 1,2 (both sides use the same count)",
+    )
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()
     statistic = statistics.median if args.statistic == "median" else min
@@ -172,8 +177,8 @@ def main() -> None:
     )
     bandwidth = read_bandwidth()
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s (1 GiB float32 sum, best of 5)")
-    print("| dtype | weights | measure | radixrt | transformers | radixrt speed-up |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype | weights | threads | measure | radixrt | transformers | radixrt speed-up |")
+    print("|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         hf_model = None
         for weights in args.weights.split(","):
@@ -183,21 +188,24 @@ def main() -> None:
                 hf_model.eval()
             weight_bytes = step_weight_bytes(loaded)
             floor = weight_bytes / bandwidth
-            print(f"| {dtype} | {weights} | floor: batch-1 step reads {weight_bytes / 1e6:.0f} MB (ms) | "
+            print(f"| {dtype} | {weights} | all | floor: batch-1 step reads {weight_bytes / 1e6:.0f} MB (ms) | "
                   f"{floor * 1e3:.1f} | | |", flush=True)
-            ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs, statistic)
-            print(
-                f"| {dtype} | {weights} | prefill {args.prefill_len} tokens (tokens/s) | {args.prefill_len / ours:.0f} | "
-                f"{args.prefill_len / theirs:.0f} | {theirs / ours:.2f}x |",
-                flush=True,
-            )
-            for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-                ours, theirs = bench_decode(loaded, hf_model, batch_size, args.context, args.runs, statistic)
+            for threads in (int(n) for n in args.threads.split(",")):
+                torch.set_num_threads(threads)
+                row = f"| {dtype} | {weights} | {threads} |"
+                ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs, statistic)
                 print(
-                    f"| {dtype} | {weights} | decode step, batch {batch_size}, {args.context}-token contexts (ms) | "
-                    f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |",
+                    f"{row} prefill {args.prefill_len} tokens (tokens/s) | {args.prefill_len / ours:.0f} | "
+                    f"{args.prefill_len / theirs:.0f} | {theirs / ours:.2f}x |",
                     flush=True,
                 )
+                for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+                    ours, theirs = bench_decode(loaded, hf_model, batch_size, args.context, args.runs, statistic)
+                    print(
+                        f"{row} decode step, batch {batch_size}, {args.context}-token contexts (ms) | "
+                        f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":
