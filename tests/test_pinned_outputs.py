@@ -32,8 +32,8 @@ GREEDY = {"max_new_tokens": 24, "temperature": 0}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("disable_radix_cache", [False, True], ids=["cache-on", "cache-off"])
-def test_bundled_model_greedy_outputs_are_pinned(disable_radix_cache):
-    with Runtime(dtype="float32", disable_radix_cache=disable_radix_cache, check_invariants=True) as rt:
+def test_bundled_model_greedy_outputs_are_pinned(smollm2, disable_radix_cache):
+    with Runtime(smollm2, disable_radix_cache=disable_radix_cache, check_invariants=True) as rt:
         one_by_one = [rt.generate(prompt, GREEDY)["output_ids"] for prompt in PROMPTS]
         # The same two prompts again, in one batch: the first now hits the cache.
         batched = [r["output_ids"] for r in rt.generate([PROMPTS[0], PROMPTS[3]], GREEDY)]

@@ -78,12 +78,12 @@ def model_id(client):
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 6
 
 
-def test_chat_equals_in_process_generate(client, model_id):
+def test_chat_equals_in_process_generate(client, model_id, smollm2):
     from radixrt import Runtime
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     reply = client.chat.completions.create(model=model_id, messages=messages, max_tokens=12, temperature=0)
-    with Runtime(dtype="float32", device="cpu", max_total_tokens=16384) as runtime:
+    with Runtime(smollm2, max_total_tokens=16384) as runtime:
         expected = runtime.generate(messages, {"max_new_tokens": 12, "temperature": 0})
     assert reply.choices[0].message.content == expected["text"]
     assert reply.usage.completion_tokens == len(expected["output_ids"])
