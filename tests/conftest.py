@@ -8,8 +8,8 @@ Fixtures (all CPU, fp32 unless said otherwise):
                                   random weights (config.json, model.safetensors, tokenizer)
     tiny_llama           session  radixrt LoadedModel of tiny_llama_dir
     tiny_llama_hf        session  the same weights as a transformers LlamaForCausalLM
-    make_tiny_hf_model   function factory: (**LlamaConfig/Qwen2Config/MistralConfig kwargs,
-                                  architecture="llama"|"qwen2"|"mistral", seed=0) ->
+    make_tiny_hf_model   function factory: (**LlamaConfig/Qwen2Config/MistralConfig/Qwen3Config
+                                  kwargs, architecture="llama"|"qwen2"|"mistral"|"qwen3", seed=0) ->
                                   transformers model with random weights, biases included
     smollm2              session  LoadedModel of the bundled SmolLM2-135M-Instruct (float32); the
                                   first run converts the GGUF into the real cache folder
@@ -69,6 +69,7 @@ _CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
     "mistral": transformers.MistralConfig,
+    "qwen3": transformers.Qwen3Config,
 }
 
 

@@ -189,8 +189,8 @@ def test_config_rejects_what_we_cannot_run(make_tiny_hf_model):
         ModelConfig.from_hf(hf_config)
     hf_config.architectures = None  # as in GGUF-derived configs: fall back to model_type
     assert ModelConfig.from_hf(hf_config).architecture == "LlamaForCausalLM"
-    hf_config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
-    with pytest.raises(ValueError, match="rope_type 'yarn'; supported: default, linear, llama3"):
+    hf_config.rope_parameters = {"rope_type": "proportional", "rope_theta": 1e4}
+    with pytest.raises(ValueError, match="rope_type 'proportional'; supported: default, linear, dynamic, yarn"):
         ModelConfig.from_hf(hf_config)
     qwen = ModelConfig.from_hf(make_tiny_hf_model("qwen2").config)
     assert qwen.attention_bias and not qwen.o_proj_bias

@@ -77,6 +77,8 @@ class LlamaDecoderLayer(nn.Module):
         self.qkv_bias = _weight(qkv_rows, device=device, dtype=dtype) if config.attention_bias else None
         self.o_proj = _weight(hidden, config.num_heads * head_dim, device=device, dtype=dtype)
         self.o_bias = _weight(hidden, device=device, dtype=dtype) if config.o_proj_bias else None
+        self.q_norm = _weight(head_dim, device=device, dtype=dtype) if config.qk_norm else None
+        self.k_norm = _weight(head_dim, device=device, dtype=dtype) if config.qk_norm else None
         self.post_attention_norm = _weight(hidden, device=device, dtype=dtype)
         self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, device=device, dtype=dtype)
         self.down_proj = _weight(hidden, config.intermediate_size, device=device, dtype=dtype)
@@ -120,7 +122,8 @@ class LlamaDecoderLayer(nn.Module):
         x = self.rms_norm(hidden, self.input_norm, config.rms_norm_eps)
         qkv = self.qkv(x).view(num_tokens, -1, config.head_dim)
         num_qk_heads = config.num_heads + config.num_kv_heads
-        qk = rope.apply(qkv[:, :num_qk_heads], cos, signed_sin)
+        qk = qkv[:, :num_qk_heads] if self.q_norm is None else self._qk_norm(qkv)
+        qk = rope.apply(qk, cos, signed_sin)
         # Strided views (head_dim stride 1), not copies: every backend takes row/head strides.
         q = qk[:, : config.num_heads]
         k = qk[:, config.num_heads :]
@@ -130,6 +133,18 @@ class LlamaDecoderLayer(nn.Module):
         x = self.rms_norm(hidden, self.post_attention_norm, config.rms_norm_eps, self.o(attn.reshape(num_tokens, -1)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return hidden.add_(self.down(F.silu(gate) * up))
+
+    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3's RMSNorm of each q and k head, [T, q heads + k heads, head_dim].
+
+        `reshape` copies the strided head slices into the dense rows `self.rms_norm` needs.
+        """
+        assert self.q_norm is not None and self.k_norm is not None
+        config, num_tokens, head_dim = self.config, qkv.shape[0], self.config.head_dim
+        q = self.rms_norm(qkv[:, : config.num_heads].reshape(-1, head_dim), self.q_norm, config.rms_norm_eps)
+        k = qkv[:, config.num_heads : config.num_heads + config.num_kv_heads].reshape(-1, head_dim)
+        k = self.rms_norm(k, self.k_norm, config.rms_norm_eps)
+        return torch.cat((q.view(num_tokens, -1, head_dim), k.view(num_tokens, -1, head_dim)), dim=1)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -247,6 +262,9 @@ class LlamaForCausalLM(nn.Module):
             loader.copy(layer.o_proj, prefix + "self_attn.o_proj.weight")
             if layer.o_bias is not None:
                 loader.copy(layer.o_bias, prefix + "self_attn.o_proj.bias")
+            if layer.q_norm is not None and layer.k_norm is not None:
+                loader.copy(layer.q_norm, prefix + "self_attn.q_norm.weight")
+                loader.copy(layer.k_norm, prefix + "self_attn.k_norm.weight")
             intermediate = config.intermediate_size
             loader.copy(layer.gate_up_proj.narrow(0, 0, intermediate), prefix + "mlp.gate_proj.weight")
             loader.copy(layer.gate_up_proj.narrow(0, intermediate, intermediate), prefix + "mlp.up_proj.weight")

@@ -1,10 +1,17 @@
 """Rotary position embeddings, computed from each token's absolute position.
 
 Positions come from the batch (a cached prefix shifts them), so cos/sin are
-computed per forward from `positions`, once for all layers; only `inv_freq`
-is cached. The arithmetic follows transformers' Llama rotary embedding step
-by step (fp32 frequencies, `cat(freqs, freqs)`, cast to the activation dtype)
-so fp32 results match it to the last bit or two.
+computed per forward from `positions`, once for all layers; only the
+frequency tables are cached. The arithmetic follows transformers' rotary
+embedding and its `ROPE_INIT_FUNCTIONS` step by step (fp32 frequencies,
+`cat(freqs, freqs)`, the attention scaling, cast to the activation dtype) so
+fp32 results match it to the last bit or two.
+
+"dynamic" and "longrope" change frequencies past a threshold length. transformers
+picks them from the longest sequence of the batch, so a token's rotation there
+depends on its batch-mates; here each token's rotation depends on its own
+position only (see docs/model.md), which is what transformers does for a lone
+sequence decoded one token at a time.
 """
 
 from __future__ import annotations
@@ -16,16 +23,29 @@ import torch
 from radixrt.model.config import RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """fp32 [head_dim // 2] inverse frequencies, with "linear" or "llama3" scaling applied."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+def _exponents(head_dim: int) -> torch.Tensor:
+    return torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+
+
+def rope_parameters(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
+    """(fp32 [head_dim // 2] inverse frequencies, attention scaling of cos/sin) for short positions.
+
+    "Short" means below `long_position_threshold`; for every rope type but
+    "dynamic" and "longrope" that is every position.
+    """
     if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    assert scaling.rope_type == "llama3", scaling.rope_type
-    return _llama3_scaled(inv_freq, scaling)
+        return 1.0 / (theta ** _exponents(head_dim)), 1.0
+    rope_type = scaling.rope_type
+    if rope_type == "linear":
+        return 1.0 / (theta ** _exponents(head_dim)) / scaling.factor, 1.0
+    if rope_type == "llama3":
+        return _llama3_scaled(1.0 / (theta ** _exponents(head_dim)), scaling), 1.0
+    if rope_type == "dynamic":
+        return _dynamic_ntk(head_dim, theta, scaling, scaling.original_max_position_embeddings), 1.0
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, scaling)
+    assert rope_type == "longrope", rope_type
+    return _longrope(head_dim, theta, scaling.short_factor), _longrope_attention_factor(scaling)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -41,26 +61,110 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _dynamic_ntk(head_dim: int, theta: float, scaling: RopeScaling, seq_len: int) -> torch.Tensor:
+    """NTK-aware scaling: a larger base for sequences past the trained length (none within it)."""
+    trained = scaling.original_max_position_embeddings
+    seq_len = max(seq_len, trained)
+    base = theta * ((scaling.factor * seq_len / trained) - (scaling.factor - 1)) ** (head_dim / (head_dim - 2))
+    return 1.0 / (base ** _exponents(head_dim))
+
+
+def _yarn(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, ramp between; scale attention by mscale."""
+    factor = scaling.factor
+
+    def mscale(scale: float, coefficient: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * coefficient * math.log(scale) + 1.0
+
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention_factor = float(mscale(factor, scaling.mscale) / mscale(factor, scaling.mscale_all_dim))
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        trained = scaling.original_max_position_embeddings
+        return (head_dim * math.log(trained / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid dividing by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = theta ** _exponents(head_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, attention_factor
+
+
+def _longrope(head_dim: int, theta: float, factors: tuple[float, ...]) -> torch.Tensor:
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** _exponents(head_dim))
+
+
+def _longrope_attention_factor(scaling: RopeScaling) -> float:
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_position_embeddings))
+
+
 class RotaryEmbedding:
     """cos/sin tables for a batch's positions, and their application to q and k.
 
     `rotate_half(x) * sin` is computed as `flip_halves(x) * signed_sin` with
     `signed_sin = cat(-sin, sin)`: the same products (negation is exact), two
     fewer ops per layer than transformers' `cat(-x2, x1)`.
+
+    With "dynamic" or "longrope", a token at position p >= `long_position_threshold`
+    uses the frequencies transformers computes for a sequence of p + 1 tokens.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device):
         self.head_dim = head_dim
-        self.inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
+        self.theta = theta
+        self.scaling = scaling
+        inv_freq, self.attention_scaling = rope_parameters(head_dim, theta, scaling)
+        self.inv_freq = inv_freq.to(device)
+        self.long_position_threshold: int | None = None
+        self.long_inv_freq: torch.Tensor | None = None
+        if scaling is not None and scaling.rope_type in ("dynamic", "longrope"):
+            self.long_position_threshold = scaling.original_max_position_embeddings
+        if scaling is not None and scaling.rope_type == "longrope":
+            self.long_inv_freq = _longrope(head_dim, theta, scaling.long_factor).to(device)
+
+    def _frequencies(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] -> fp32 angles [T, head_dim // 2]."""
+        short = positions[:, None].float() * self.inv_freq
+        threshold = self.long_position_threshold
+        if threshold is None:
+            return short
+        long_inv_freq = self.long_inv_freq if self.long_inv_freq is not None else self._dynamic_per_token(positions)
+        return torch.where(positions[:, None] >= threshold, positions[:, None].float() * long_inv_freq, short)
+
+    def _dynamic_per_token(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, head_dim // 2]: each token's NTK frequencies for a sequence ending at it."""
+        assert self.scaling is not None
+        trained = self.scaling.original_max_position_embeddings
+        factor, dim = self.scaling.factor, self.head_dim
+        seq_len = (positions.double() + 1).clamp(min=trained)
+        base = self.theta * ((factor * seq_len / trained) - (factor - 1)) ** (dim / (dim - 2))
+        # transformers computes base in Python floats, then the powers in fp32
+        return 1.0 / (base.float()[:, None] ** _exponents(dim).to(positions.device))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed_sin), each [num_tokens, 1, head_dim] in `dtype`."""
-        freqs = positions[:, None].float() * self.inv_freq
+        freqs = self._frequencies(positions)
         emb = torch.cat((freqs, freqs), dim=-1)
         half = self.head_dim // 2
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         sin[:, :half].neg_()
-        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """Rotate x: [num_tokens, num_heads, head_dim] (any heads: q and k stacked work too)."""
