@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixrt.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from radixrt.engine.detokenizer import (
+    Detokenizer,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    StreamDetokenizer,
+    make_detokenizer,
+)
 from radixrt.engine.request import FinishReason, OutputText, token_finish_reason
 from radixrt.sampling import SamplingParams
 
@@ -26,45 +33,164 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def stream(detokenizer: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+def stream(detokenizer: Detokenizer, ids: list[int]) -> list[str]:
     return [detokenizer.append(i) for i in ids] + [detokenizer.flush()]
 
 
-def test_chunks_concatenate_to_the_full_decode(tokenizer):
+# Every behaviour below holds for both: ours, and what make_detokenizer picks
+# for the bundled fast tokenizer (DecodeStream).
+DETOKENIZERS = pytest.mark.parametrize("make", [IncrementalDetokenizer, make_detokenizer], ids=["ours", "picked"])
+
+
+@DETOKENIZERS
+def test_chunks_concatenate_to_the_full_decode(tokenizer, make):
     ids = tokenizer.encode(TEXT)
-    chunks = stream(IncrementalDetokenizer(tokenizer), ids)
+    chunks = stream(make(tokenizer), ids)
     assert "".join(chunks) == tokenizer.decode(ids) == TEXT
     assert not any("\ufffd" in chunk for chunk in chunks)  # split characters were held back, not mangled
 
 
-def test_multibyte_characters_split_across_tokens(tokenizer):
+@DETOKENIZERS
+def test_multibyte_characters_split_across_tokens(tokenizer, make):
     ids = tokenizer.encode("😀")
     assert len(ids) > 1  # the emoji's bytes are in several tokens
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = make(tokenizer)
     assert [detokenizer.append(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
     assert detokenizer.append(ids[-1]) == "😀"
 
 
-def test_prompt_gives_left_context(tokenizer):
+@DETOKENIZERS
+def test_prompt_gives_left_context(tokenizer, make):
     prompt, output = tokenizer.encode("The answer:"), tokenizer.encode(" forty-two 世界")
-    text = "".join(stream(IncrementalDetokenizer(tokenizer, prompt_ids=prompt), output))
+    text = "".join(stream(make(tokenizer, prompt_ids=prompt), output))
     assert text == tokenizer.decode(output) == " forty-two 世界"
 
 
+@DETOKENIZERS
 @pytest.mark.parametrize("skip", [True, False])
-def test_special_tokens(tokenizer, skip):
+def test_special_tokens(tokenizer, make, skip):
     ids = tokenizer.encode("a") + [1, EOS] + tokenizer.encode(" b")
-    text = "".join(stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=skip), ids))
+    text = "".join(stream(make(tokenizer, skip_special_tokens=skip), ids))
     assert text == ("a b" if skip else "a<|im_start|><|im_end|> b")
 
 
-def test_invalid_utf8_run_is_streamed_not_held_forever(tokenizer):
+@DETOKENIZERS
+def test_invalid_utf8_run_is_streamed_not_held_forever(tokenizer, make):
     continuation_byte = tokenizer.encode("😀")[-1]  # a lone continuation byte is invalid UTF-8
     ids = [continuation_byte] * 40 + tokenizer.encode(" ok")
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = make(tokenizer)
     chunks = [detokenizer.append(i) for i in ids[:40]]
     assert "".join(chunks)  # released before the run ends
     assert "".join(chunks) + "".join(stream(detokenizer, ids[40:])) == tokenizer.decode(ids)
+
+
+@DETOKENIZERS
+def test_flush_releases_an_unfinished_character(tokenizer, make):
+    ids = tokenizer.encode("a 😀")[:-1]  # the emoji's last byte never comes
+    chunks = stream(make(tokenizer), ids)
+    assert chunks[-1] and "".join(chunks) == tokenizer.decode(ids)
+
+
+# --- which detokenizer make_detokenizer picks, and that it releases the same chunks ---------
+
+
+def test_fast_tokenizers_get_decode_stream_others_ours(tokenizer):
+    assert isinstance(make_detokenizer(tokenizer, tokenizer.encode("Hi")), StreamDetokenizer)
+
+    class DecodeOnly:  # a slow tokenizer, as far as the detokenizer can tell
+        def decode(self, ids, skip_special_tokens=True, **kwargs):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    assert isinstance(make_detokenizer(DecodeOnly()), IncrementalDetokenizer)
+
+    class PostProcessed(type(tokenizer)):  # a subclass whose text is more than the Rust decode
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    post_processed = PostProcessed(tokenizer_object=tokenizer.backend_tokenizer)
+    assert isinstance(make_detokenizer(post_processed), IncrementalDetokenizer)
+
+
+def test_prompt_ending_inside_a_character_gets_ours(tokenizer):
+    prompt = tokenizer.encode("x 😀")[:-1]
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    assert isinstance(make_detokenizer(tokenizer, prompt), IncrementalDetokenizer)
+
+
+def llama_style_tokenizer():
+    """A SentencePiece-style BPE built in place: ▁ for spaces, byte fallback, decoder strips one leading space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "w"), ("o", "r"), ("▁w", "or"), ("l", "d")]
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]
+    pieces += list("▁abcdefghijklmnopqrstuvwxyz.,!'é") + ["".join(pair) for pair in merges]
+    model = models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>", byte_fallback=True)
+    backend = Tokenizer(model)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens(["<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style unigram model whose Metaspace decoder drops the first token's leading space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"<0x{byte:02X}>", -10.0) for byte in range(256)]
+    pieces += [(char, -2.0) for char in "▁abcdefghijklmnopqrstuvwxyz.,!'é"]
+    pieces += [(word, -1.0) for word in ("▁the", "▁world", "▁hello", "or")]
+    backend = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first")])
+    backend.add_special_tokens(["<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizers():
+    pytest.importorskip("transformers")
+    return {"llama-style": llama_style_tokenizer(), "metaspace": metaspace_tokenizer()}
+
+
+@pytest.mark.parametrize("name", ["llama-style", "metaspace"])
+def test_sentencepiece_style_skipped_special_keeps_the_next_space(sentencepiece_tokenizers, name):
+    sp = sentencepiece_tokenizers[name]
+    ids = sp.encode("the", add_special_tokens=False) + [sp.bos_token_id]
+    ids += sp.encode("the world é😀", add_special_tokens=False)
+    expected = "the the world é😀"
+    assert sp.decode(ids, skip_special_tokens=True) == expected
+    assert isinstance(make_detokenizer(sp), StreamDetokenizer)
+    for make in (IncrementalDetokenizer, make_detokenizer):
+        assert "".join(stream(make(sp), ids)) == expected
+
+
+def test_a_decode_stream_error_hands_over_to_ours(sentencepiece_tokenizers):
+    from tokenizers import decoders
+
+    class Reversed:  # the text of a window no longer starts with the text of its front
+        def decode_chain(self, tokens):
+            return tokens[::-1]
+
+    sp = copy.deepcopy(sentencepiece_tokenizers["llama-style"])
+    sp.backend_tokenizer.decoder = decoders.Decoder.custom(Reversed())
+    ids = sp.encode("the world", add_special_tokens=False)
+    detokenizer = make_detokenizer(sp)
+    assert isinstance(detokenizer, StreamDetokenizer)
+    assert stream(detokenizer, ids) == stream(IncrementalDetokenizer(sp), ids)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), skip=st.booleans(), name=st.sampled_from(["smollm2", "llama-style", "metaspace"]))
+def test_picked_detokenizer_releases_the_same_chunks_as_ours(tokenizer, sentencepiece_tokenizers, data, skip, name):
+    chosen = tokenizer if name == "smollm2" else sentencepiece_tokenizers[name]
+    ids_of = st.lists(st.integers(0, len(chosen) - 1), max_size=24)
+    prompt, ids = data.draw(ids_of), data.draw(ids_of)
+    picked = stream(make_detokenizer(chosen, prompt, skip), ids)
+    assert picked == stream(IncrementalDetokenizer(chosen, prompt, skip), ids)
 
 
 # --- stop strings -----------------------------------------------------------------

@@ -47,7 +47,7 @@ from typing import Any, Callable, Hashable, Literal
 
 import torch
 
-from radixrt.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
+from radixrt.engine.detokenizer import StopStringMatcher, TokenDecoder, make_detokenizer
 from radixrt.sampling import SamplingParams
 
 _request_counter = itertools.count()
@@ -119,7 +119,7 @@ class OutputText:
         self._params = params
         self._eos_token_ids = eos_token_ids
         self._detokenizer = (
-            IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens) if tokenizer else None
+            make_detokenizer(tokenizer, prompt_ids, params.skip_special_tokens) if tokenizer else None
         )
         self._stops = StopStringMatcher(params.stop)
         self._delta: list[str] = []

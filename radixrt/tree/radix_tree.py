@@ -14,10 +14,10 @@ edges split only at page boundaries, so every node's slots are whole pages.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable
 
 import torch
-from sortedcontainers import SortedList
 
 from radixrt.tree import debug
 from radixrt.tree.keys import (
@@ -56,9 +56,9 @@ class RadixTree:
 
     Eviction order is least recently used first, where "used" is the last
     `match_prefix` or `insert` whose path covered the node. Nodes record that
-    time on the walk; the sorted list of evictable leaves, keyed by
+    time on the walk; the heap of evictable leaves, keyed by
     (last_access, node_id), is only brought up to date inside `evict`, so a
-    match costs no sorted-list work at all.
+    match costs no heap work at all.
     """
 
     def __init__(self, page_size: int = 1):
@@ -67,8 +67,9 @@ class RadixTree:
         self.page_size = page_size
         self._page_bytes = page_size * TOKEN_BYTES
         self._roots: dict[Hashable, TreeNode] = {}
-        # Evictable leaves as (lru_stamp, node_id, node); see _file_if_evictable.
-        self._lru: SortedList = SortedList()
+        # A min-heap of evictable leaves as (lru_stamp, node_id, node); see
+        # _file_if_evictable. node_ids are unique, so nodes are never compared.
+        self._lru: list[tuple[int, int, TreeNode]] = []
         self._clock = 0
         self._next_id = 0
         self._evictable_tokens = 0
@@ -98,12 +99,12 @@ class RadixTree:
         inside an edge the node is split, so `last_node` ends exactly at the
         match; with nothing matched it is the namespace's root.
         """
-        packed, values = pack_tokens(tokens)
+        packed = pack_tokens(tokens)
         query = self._whole_pages(packed)
         try:
             root = self._find_root(namespace)
             path, offset, cut = walk(root, query, self._page_bytes)
-            check_token_range(packed, values, offset)
+            check_token_range(packed, offset)
             last_node = self._commit(root or self._new_root(namespace), path, cut)
         finally:
             release_views(query, packed)
@@ -118,13 +119,13 @@ class RadixTree:
         caller frees `indices[:returned]` where they differ from the tree's,
         and any tail beyond the last whole page stays the caller's.
         """
-        packed, values = pack_tokens(tokens)
+        packed = pack_tokens(tokens)
         query = self._whole_pages(packed)
         try:
             _check_indices(indices, len(packed) // TOKEN_BYTES)
             root = self._find_root(namespace)
             path, offset, cut = walk(root, query, self._page_bytes)
-            check_token_range(packed, values, offset)
+            check_token_range(packed, offset)
             node = self._commit(root or self._new_root(namespace), path, cut)
             if offset < len(query):
                 # A copy: the caller may reuse its tensor (e.g. a request-table row).
@@ -212,16 +213,17 @@ class RadixTree:
         freed: list[bytes] = []
         num_freed = 0
         while num_freed < num_tokens and lru:
-            stamp, node_id, node = lru.pop(0)
+            stamp, node_id, node = heapq.heappop(lru)
             if node.children or node.lock_ref:
                 node.lru_stamp = -1  # no longer an evictable leaf; refiled when it is again
                 continue
             if node.last_access != stamp:
                 node.lru_stamp = node.last_access  # used since it was filed
-                lru.add((node.last_access, node_id, node))
+                heapq.heappush(lru, (node.last_access, node_id, node))
                 continue
             node.lru_stamp = -1
             parent = node.parent
+            assert parent is not None, "only nodes below a root are filed"
             del parent.children[node.key[:page_bytes]]
             node.parent = None
             freed.append(node.slots)
@@ -234,7 +236,7 @@ class RadixTree:
     def reset(self) -> None:
         """Drop every node; every handle dies. The caller resets its pool."""
         self._roots = {}
-        self._lru = SortedList()
+        self._lru = []
         self._evictable_tokens = 0
         self._protected_tokens = 0
 
@@ -312,4 +314,4 @@ class RadixTree:
         # the true LRU leaf (ties broken by node_id).
         if node.lru_stamp < 0 and not node.children and node.lock_ref == 0:
             node.lru_stamp = node.last_access
-            self._lru.add((node.last_access, node.node_id, node))
+            heapq.heappush(self._lru, (node.last_access, node.node_id, node))
