@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from radixrt import Runtime, SamplingParams
+from radixrt.config import RuntimeConfig
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +286,36 @@ def test_max_new_tokens_none_fills_what_the_context_and_pool_leave(tiny_llama_di
         out = small.generate(ids(10), {"max_new_tokens": None, "temperature": 0, "ignore_eos": True})
     assert len(out["output_ids"]) == 64 - 10
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 54}
+
+
+def test_small_steps_run_on_fewer_threads_and_the_thread_count_is_restored():
+    from radixrt.model.runner import StepThreads
+
+    threads = StepThreads(small=1, small_step_tokens=8, large=2)
+    assert [threads.for_tokens(n) for n in (1, 8, 9, 512)] == [1, 1, 2, 2]
+    assert StepThreads(small=4, small_step_tokens=8, large=2).for_tokens(1) == 2, "never more than large"
+    with pytest.raises(ValueError, match="small_step_threads must be an int >= 1"):
+        RuntimeConfig(small_step_threads=0)
+    with pytest.raises(ValueError, match="small_step_tokens must be an int >= 0"):
+        RuntimeConfig(small_step_tokens=-1)
+
+
+def test_runner_sets_threads_per_step_and_restores_them(tiny_llama_dir):
+    import torch
+
+    before = torch.get_num_threads()
+    seen = []
+    with Runtime(tiny_llama_dir, dtype="float32", small_step_threads=1, small_step_tokens=4) as rt:
+        runner = rt.engine.runner
+        forward = runner.model.forward
+
+        def spy(batch, backend, plan):
+            seen.append((batch.num_tokens, torch.get_num_threads()))
+            return forward(batch, backend, plan)
+
+        runner.model.forward = spy
+        rt.generate("a prompt of more than four tokens, surely", {"max_new_tokens": 3, "temperature": 0})
+    assert torch.get_num_threads() == before
+    assert all(threads == 1 for tokens, threads in seen if tokens <= 4)
+    assert all(threads == before for tokens, threads in seen if tokens > 4)
+    assert any(tokens > 4 for tokens, _ in seen) and any(tokens <= 4 for tokens, _ in seen)

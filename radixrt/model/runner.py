@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,15 +14,46 @@ from radixrt.memory.kv_cache import KVCache
 from radixrt.model.llama import LlamaForCausalLM
 
 
+@dataclass(frozen=True)
+class StepThreads:
+    """How many CPU threads a step computes on: `small` for steps of at most `small_step_tokens`
+    new tokens, `large` for the rest (default: torch's thread count when the first StepThreads
+    of the process was made, i.e. before any runner changed it)."""
+
+    small: int
+    small_step_tokens: int
+    large: int = dataclasses.field(default_factory=lambda: _process_threads())
+
+    def for_tokens(self, num_tokens: int) -> int:
+        return min(self.small, self.large) if num_tokens <= self.small_step_tokens else self.large
+
+
+_initial_threads: list[int] = []
+
+
+def _process_threads() -> int:
+    if not _initial_threads:
+        _initial_threads.append(torch.get_num_threads())
+    return _initial_threads[0]
+
+
 class ModelRunner:
     """Runs `LlamaForCausalLM` over a `KVCache` through one attention backend.
 
     Ownership: the runner only writes the K/V of a batch's new tokens, at
     `batch.out_slots`; which slots those are, and who owns them afterwards,
     is the caller's business (the scheduler allocates them from the PagePool).
+    `threads` (CPU only) sets torch's thread count for each step, restoring it
+    afterwards; None leaves it alone.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend[Any]):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        backend: AttentionBackend[Any],
+        threads: StepThreads | None = None,
+    ):
         config = model.config
         expected = (config.num_layers, config.num_kv_heads, config.head_dim)
         shape = kv_cache.shape
@@ -38,6 +71,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
+        self.threads = threads if model.device.type == "cpu" else None
 
     @property
     def device(self) -> torch.device:
@@ -54,7 +88,15 @@ class ModelRunner:
             logit_rows = batch.last_token_rows
         elif not isinstance(logit_rows, torch.Tensor) or logit_rows.dim() != 1 or logit_rows.dtype != torch.int64:
             raise TypeError("logit_rows must be a 1-D int64 tensor of rows of the batch's new tokens")
-        with torch.inference_mode():
-            plan = self.backend.plan(batch)
-            hidden = self.model.forward(batch, self.backend, plan)
-            return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)))
+        previous = torch.get_num_threads()
+        wanted = previous if self.threads is None else self.threads.for_tokens(batch.num_tokens)
+        if wanted != previous:
+            torch.set_num_threads(wanted)
+        try:
+            with torch.inference_mode():
+                plan = self.backend.plan(batch)
+                hidden = self.model.forward(batch, self.backend, plan)
+                return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)))
+        finally:
+            if wanted != previous:  # the thread count is the process's: leave it as found
+                torch.set_num_threads(previous)

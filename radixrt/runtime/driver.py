@@ -35,7 +35,7 @@ from radixrt.engine.request import Request
 from radixrt.kernels.registry import create_backend
 from radixrt.memory import KVCache, KVShape, PagePool
 from radixrt.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from radixrt.model.runner import ModelRunner
+from radixrt.model.runner import ModelRunner, StepThreads
 from radixrt.runtime.inputs import RequestLimits
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,8 @@ def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
         config.page_size,
         shared_prefix_min_tokens=config.shared_prefix_min_tokens,
     )
-    runner = ModelRunner(loaded.model, kv_cache, backend)
+    threads = StepThreads(config.small_step_threads, config.small_step_tokens)
+    runner = ModelRunner(loaded.model, kv_cache, backend, threads)
     pool = PagePool(num_pages, config.page_size)
     cache: CacheManager = NoPrefixCache(pool) if config.disable_radix_cache else RadixCacheManager(pool)
     limits = RequestLimits(
