@@ -97,7 +97,11 @@ def test_ctrl_c_exits_130_with_one_line(tiny_llama_dir: Path, tmp_path: Path) ->
     # Far more tokens than the test waits for: the signal always arrives mid-generation.
     command = [sys.executable, "-m", "radixrt.cli", "generate", "hello", "--model", str(long_context), *TINY,
                "--max-new-tokens", "50000", "--ignore-eos", "--max-total-tokens", "50100"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored
+    # across exec (Python then installs no KeyboardInterrupt handler): give the CLI the default
+    # disposition a terminal user's process has, whoever runs the suite.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert process.stdout is not None and process.stdout.read(1), "no output streamed"
         process.send_signal(signal.SIGINT)
