@@ -134,5 +134,5 @@ class Engine:
 def _report(req: Request) -> None:
     """Hand the request's new output, if any, to whoever submitted it."""
     output = req.take_output()
-    if output is not None and req.on_output is not None:
+    if output is not None and req.on_output is not None and (req.stream or output.finished):
         req.on_output(output)

@@ -207,6 +207,10 @@ class Request:
     # Called on the engine thread with each output, or with the error when the
     # engine stops before the request ends.
     on_output: Callable[[RequestOutput | BaseException], None] | None = None
+    # False: the caller waits for the whole result, so only the finished output is
+    # delivered (a chunk per token would wake the caller's thread per token, and on
+    # a 2-core CPU that thread competes with the compute threads for the cores).
+    stream: bool = True
     tokenizer: TokenDecoder | None = None  # None: no text, token ids only
     eos_token_ids: Collection[int] = ()
     seed: int = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 from radixrt.config import RuntimeConfig
 from radixrt.engine.engine import Engine
@@ -76,7 +76,7 @@ class Runtime:
         )
         outputs: _Outputs = queue.Queue()
         for req in requests:
-            req.on_output = outputs.put if stream else _finals_only(outputs.put)
+            req.on_output, req.stream = outputs.put, stream
         self._driver.submit(requests)
         if stream:
             return self._stream(requests, outputs)
@@ -115,7 +115,7 @@ class Runtime:
                 pass
 
         for req in requests:
-            req.on_output = deliver if stream else _finals_only(deliver)
+            req.on_output, req.stream = deliver, stream
         self._driver.submit(requests)
         if stream:
             return self._astream(requests, outputs)
@@ -228,20 +228,6 @@ async def _acollect(requests: list[Request], outputs: asyncio.Queue[RequestOutpu
         if output.result is not None:
             results[output.rid] = output.result
     return [results[r.rid] for r in requests]
-
-
-def _finals_only(
-    deliver: Callable[[RequestOutput | BaseException], None],
-) -> Callable[[RequestOutput | BaseException], None]:
-    """`deliver` for a caller that waits for whole results: each chunk of a decode step would
-    wake the caller's thread per token, and on a 2-core CPU that thread then competes with the
-    engine's compute threads for the same cores (docs/benchmarks.md, threads per phase)."""
-
-    def on_output(item: RequestOutput | BaseException) -> None:
-        if isinstance(item, BaseException) or item.result is not None:
-            deliver(item)
-
-    return on_output
 
 
 def _next_output(outputs: _Outputs) -> RequestOutput:
