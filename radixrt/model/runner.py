@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,11 @@ from radixrt.memory.kv_cache import KVCache
 from radixrt.model.llama import LlamaForCausalLM
 
 
+@functools.cache
+def _process_threads() -> int:
+    return torch.get_num_threads()
+
+
 @dataclass(frozen=True)
 class StepThreads:
     """How many CPU threads a step computes on: `small` for steps of at most `small_step_tokens`
@@ -22,19 +28,10 @@ class StepThreads:
 
     small: int
     small_step_tokens: int
-    large: int = dataclasses.field(default_factory=lambda: _process_threads())
+    large: int = dataclasses.field(default_factory=_process_threads)
 
     def for_tokens(self, num_tokens: int) -> int:
         return min(self.small, self.large) if num_tokens <= self.small_step_tokens else self.large
-
-
-_initial_threads: list[int] = []
-
-
-def _process_threads() -> int:
-    if not _initial_threads:
-        _initial_threads.append(torch.get_num_threads())
-    return _initial_threads[0]
 
 
 class ModelRunner:
