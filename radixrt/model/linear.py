@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from radixrt.kernels import cpu
 from radixrt.model.gguf_int4 import GROUP_SIZE, Int4Weight
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -49,6 +50,57 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
 
 def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Linear:
     """`x @ w.T (+ bias)` for `dtype` activations, with `w` held as 4-bit codes (CPU only)."""
+    kernel = _own_kernel(weight, dtype)
+    if kernel is None:
+        return _torch_int4(weight, dtype, bias)
+    num_rows, num_cols = weight.shape
+    packed = kernel.pack(weight.codes, weight.scales, weight.offsets)
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        out = kernel(_rows(x, num_cols), packed, num_rows)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], num_rows)
+
+    return linear
+
+
+def int4_summed(weights: list[Int4Weight], dtype: torch.dtype) -> Linear:
+    """The float32 sum of `x @ w.T` over several 4-bit weights of one shape: a GGUF Q8_0 LM
+    head is two of them (`gguf_int4`)."""
+    kernels = [_own_kernel(weight, dtype) for weight in weights]
+    if None in kernels:
+        return _summed_in_float32([_torch_int4(weight, dtype) for weight in weights])
+    kernel = kernels[0]
+    assert kernel is not None
+    num_rows, num_cols = weights[0].shape
+    packed = [kernel.pack(weight.codes, weight.scales, weight.offsets) for weight in weights]
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x, num_cols)
+        out = torch.empty(rows.shape[0], num_rows, dtype=torch.float32)
+        for index, part in enumerate(packed):
+            kernel(rows, part, num_rows, out=out, accumulate=index > 0)
+        return out.view(*x.shape[:-1], num_rows)
+
+    return linear
+
+
+def _own_kernel(weight: Int4Weight, dtype: torch.dtype) -> cpu.Q4Matmul | None:
+    """radixrt's 4-bit kernel (`kernels/cpu/q4_matmul.c`) where it runs: bf16 activations, an
+    AVX512-BF16 CPU, a weight shape its layout takes. It multiplies by the file's exact weights
+    (torch's kernel below rounds the scales to bf16) and is several times faster on a few rows."""
+    kernel = cpu.q4_matmul() if dtype == torch.bfloat16 else None
+    return kernel if kernel is not None and kernel.supports(weight.shape) else None
+
+
+def _rows(x: torch.Tensor, num_cols: int) -> torch.Tensor:
+    rows = x.reshape(-1, num_cols)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _torch_int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Linear:
+    """torch's CPU weight-only kernel: any dtype and CPU, one row at a time."""
     num_rows, num_cols = weight.shape
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), _INNER_K_TILES)
     # The kernel dequantizes (q - 8) * scale + zero: our offset is the weight at q = 0.
@@ -64,9 +116,8 @@ def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = Non
     return linear
 
 
-def summed_in_float32(parts: list[Linear]) -> Linear:
-    """The float32 sum of several linears' outputs: a GGUF Q8_0 LM head is two 4-bit weights
-    (`gguf_int4`), each product rounded to the activations' dtype once and added exactly."""
+def _summed_in_float32(parts: list[Linear]) -> Linear:
+    """Each product rounded to the activations' dtype once, the parts added in float32."""
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         out = parts[0](x).float()

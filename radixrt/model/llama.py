@@ -195,8 +195,8 @@ class LlamaForCausalLM(nn.Module):
             if part.shape != tuple(self.lm_head.shape):
                 raise ValueError(f"4-bit LM head shape {part.shape}, model expects {tuple(self.lm_head.shape)}")
         if native.lm_head:
-            parts = [linear.int4(part, self.dtype) for part in native.lm_head]
-            self._lm_head = linear.by_rows(linear.summed_in_float32(parts), self._lm_head, INT4_MAX_ROWS)
+            head = linear.int4_summed(native.lm_head, self.dtype)
+            self._lm_head = linear.by_rows(head, self._lm_head, INT4_MAX_ROWS)
 
     @property
     def device(self) -> torch.device:

@@ -11,6 +11,11 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
                         place, for all the query heads that share it.
     rms_norm.c          torch's bf16 rms_norm is about eight ops; here one
                         pass, with the residual add fused in.
+    q4_matmul.c         torch's 4-bit CPU matmul dequantizes to float32 and
+                        works one row at a time: 8 rows cost 8 times 1.
+                        Here the codes feed bf16 dot products directly and
+                        are decoded once for several rows (AVX512-BF16
+                        CPUs; elsewhere callers keep torch's kernel).
 
 The sources are compiled together with `-march=native` for this machine,
 cached under `cache_root()/kernels`, and loaded with ctypes (no torch
@@ -127,6 +132,59 @@ class RMSNorm:
         return out
 
 
+class Q4Matmul:
+    """`radixrt_q4_matmul_bf16`: bf16 rows times a 4-bit weight in the kernel's own layout (`pack`)."""
+
+    TILE_ROWS = 16
+    GROUP = 32
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.radixrt_q4_matmul_bf16
+        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [
+            pointer, i64, i64,  # x, x_row_stride, rows
+            pointer, i64, i64,  # packed weight, N, K
+            pointer, pointer, ctypes.c_int, ctypes.c_int,  # out fp32, out bf16, accumulate, num_threads
+        ]
+        self._fn.restype = ctypes.c_int
+
+    def supports(self, shape: tuple[int, int]) -> bool:
+        """Whether a [N, K] weight fits the layout: N a multiple of 16 rows, K of 32 inputs."""
+        return shape[0] % self.TILE_ROWS == 0 and shape[1] % self.GROUP == 0
+
+    def pack(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The kernel's layout of w = codes * scales + offsets (codes [N, K] uint8 in 0..15; scales,
+        offsets [N, K // 32], exact in fp16 as GGUF stores them): see q4_matmul.c."""
+        num_rows, num_cols = codes.shape
+        tiles, groups = num_rows // self.TILE_ROWS, num_cols // self.GROUP
+        # k = 32 g + 4 c + 2 h + e; the kernel's chunk c holds (row, e) pairs, nibble h
+        nibbles = codes.reshape(tiles, self.TILE_ROWS, groups, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
+        chunks = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(tiles, groups, -1)
+        blocks = [chunks]
+        for values in (scales, offsets):
+            half = values.to(torch.float16)
+            if not torch.equal(half.float(), values.float()):
+                raise ValueError("4-bit scales and offsets must be exact in float16 (GGUF stores them so)")
+            blocks.append(half.reshape(tiles, self.TILE_ROWS, groups).permute(0, 2, 1).contiguous().view(torch.uint8))
+        return torch.cat(blocks, dim=-1).contiguous()
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, num_rows: int, out: torch.Tensor | None = None,
+                 accumulate: bool = False) -> torch.Tensor:
+        """`x @ w.T` for bf16 rows `x` [M, K] (unit stride along K): bf16 [M, N], or written to
+        (`accumulate`: added to) the fp32 tensor `out` [M, N], contiguous, and returned."""
+        rows, num_cols = x.shape
+        if out is None:
+            result = torch.empty(rows, num_rows, dtype=torch.bfloat16)
+            out_f32, out_bf16 = 0, result.data_ptr()
+        else:
+            result, out_f32, out_bf16 = out, out.data_ptr(), 0
+        status = self._fn(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), num_rows, num_cols,
+                          out_f32, out_bf16, int(accumulate), torch.get_num_threads())
+        if status:
+            raise MemoryError("4-bit matmul kernel could not allocate its row sums")
+        return result
+
+
 def decode_attention() -> DecodeAttention | None:
     """The compiled decode-attention kernel; None where it cannot be built."""
     library = _load()
@@ -137,6 +195,12 @@ def rms_norm() -> RMSNorm | None:
     """The compiled bf16 RMSNorm; None where it cannot be built."""
     library = _load()
     return None if library is None else RMSNorm(library)
+
+
+def q4_matmul() -> Q4Matmul | None:
+    """The compiled 4-bit matmul; None where it cannot be built or the CPU lacks AVX512-BF16."""
+    library = _load()
+    return None if library is None or not library.radixrt_q4_matmul_available() else Q4Matmul(library)
 
 
 def _load() -> ctypes.CDLL | None:
