@@ -16,6 +16,9 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
                         Here the codes feed bf16 dot products directly and
                         are decoded once for several rows (AVX512-BF16
                         CPUs; elsewhere callers keep torch's kernel).
+    int4_layer.c        a 4-bit Llama layer's work around attention (norms,
+                        projections, RoPE, SwiGLU, residuals) in two calls
+                        instead of about thirty ops, for decode-sized steps.
 
 The sources are compiled together with `-march=native` for this machine,
 cached under `cache_root()/kernels`, and loaded with ctypes (no torch
@@ -185,6 +188,58 @@ class Q4Matmul:
         return result
 
 
+class Int4Layer:
+    """`int4_layer.c`: a Llama layer's work before and after attention on `Q4Matmul.pack`ed weights."""
+
+    def __init__(self, library: ctypes.CDLL):
+        pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._inputs = library.radixrt_int4_attention_inputs_bf16
+        self._inputs.argtypes = [
+            pointer, i64, i64, pointer, f32,  # hidden, rows, dim, norm weight, eps
+            pointer, i64, pointer, pointer,  # qkv weight, its rows, cos, signed_sin
+            i64, i64, pointer, i32,  # rotated heads, head_dim, qkv out, num_threads
+        ]
+        self._inputs.restype = i32
+        self._finish = library.radixrt_int4_finish_layer_bf16
+        self._finish.argtypes = [
+            pointer, pointer, i64, i64, i64, i64,  # hidden, attn, attn row stride, rows, dim, attn dim
+            pointer, pointer, f32, pointer, i64, pointer, i32,  # o, norm weight, eps, gate_up, intermediate, down, threads
+        ]
+        self._finish.restype = i32
+
+    def attention_inputs(
+        self, hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, qkv_rows: int,
+        cos: torch.Tensor, signed_sin: torch.Tensor, rotated_heads: int, head_dim: int,
+    ) -> torch.Tensor:
+        """[T, qkv_rows] bf16: rms_norm(hidden) @ w_qkv.T with RoPE on the first `rotated_heads` heads.
+        hidden [T, dim], cos and signed_sin [T, head_dim] rows: bf16, contiguous."""
+        rows, dim = hidden.shape
+        qkv = torch.empty(rows, qkv_rows, dtype=torch.bfloat16)
+        status = self._inputs(
+            hidden.data_ptr(), rows, dim, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(), qkv_rows,
+            cos.data_ptr(), signed_sin.data_ptr(), rotated_heads, head_dim, qkv.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise MemoryError("4-bit layer kernel could not allocate its buffers")
+        return qkv
+
+    def finish(
+        self, hidden: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+        gate_up_weight: torch.Tensor, intermediate: int, down_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """`hidden` ([T, dim] bf16, contiguous) after the attention output `attn` ([T, heads * head_dim],
+        unit stride along a row) and the MLP are added to it, in place; returned."""
+        rows, dim = hidden.shape
+        status = self._finish(
+            hidden.data_ptr(), attn.data_ptr(), attn.stride(0), rows, dim, attn.shape[1], o_weight.data_ptr(),
+            norm_weight.data_ptr(), eps, gate_up_weight.data_ptr(), intermediate, down_weight.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise MemoryError("4-bit layer kernel could not allocate its buffers")
+        return hidden
+
+
 def decode_attention() -> DecodeAttention | None:
     """The compiled decode-attention kernel; None where it cannot be built."""
     library = _load()
@@ -201,6 +256,12 @@ def q4_matmul() -> Q4Matmul | None:
     """The compiled 4-bit matmul; None where it cannot be built or the CPU lacks AVX512-BF16."""
     library = _load()
     return None if library is None or not library.radixrt_q4_matmul_available() else Q4Matmul(library)
+
+
+def int4_layer() -> Int4Layer | None:
+    """The compiled 4-bit layer parts; None wherever `q4_matmul` is."""
+    library = _load()
+    return None if library is None or not library.radixrt_q4_matmul_available() else Int4Layer(library)
 
 
 def _load() -> ctypes.CDLL | None:

@@ -1,0 +1,136 @@
+/*
+ * A Llama decoder layer's work around attention, for a few bf16 rows and
+ * 4-bit weights (q4_matmul.c), in two calls instead of about thirty ops.
+ *
+ * At decode sizes each torch op costs a few microseconds of dispatch and
+ * allocation whatever its arithmetic; a batch-1 step of the bundled model
+ * spent more time there than in its matmuls. These functions do the same
+ * arithmetic with the same bf16 roundings as the torch layer
+ * (radixrt/model/llama.py), in one pass each:
+ *
+ *   attention inputs:  qkv = q4(rms_norm(hidden)); q, k heads rotated (RoPE)
+ *   finish:            hidden += q4_o(attn); x = rms_norm(hidden);
+ *                      hidden += q4_down(silu(gate(x)) * up(x))
+ *
+ * Only the exponential in SiLU is ours (the polynomial below, ~2e-7
+ * relative error before the bf16 rounding), so an element can differ from
+ * torch's by one bf16 step at a rounding boundary.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+int radixrt_q4_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int64_t num_rows,
+                           int64_t num_cols, float *out, uint16_t *out_bf16, int accumulate, int num_threads);
+void radixrt_rms_norm_bf16(uint16_t *hidden, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                           int64_t rows, int64_t dim, float eps, int num_threads);
+
+static inline float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } v = { f };
+    uint32_t rounding = 0x7FFF + ((v.u >> 16) & 1);  /* round to nearest even, as torch does */
+    return (uint16_t)((v.u + rounding) >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+/* exp(x), x clamped to float's range: 2^i * 2^f, f in [-0.5, 0.5], Cephes' polynomial for 2^f.
+ * Unlike expf it vectorizes without -ffast-math. */
+static inline float exp_approx(float x) {
+    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    float t = x * 1.44269504088896341f;
+    float i = roundf(t);
+    float f = t - i;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } scale = { (uint32_t)((int32_t)i + 127) << 23 };
+    return p * scale.f;
+}
+
+/*
+ * qkv [rows, qkv_rows] = rms_norm(hidden) @ w_qkv.T, then RoPE on each row's
+ * first rope_heads heads (q and k) as torch's `x * cos + flip_halves(x) * signed_sin`,
+ * each product and the sum rounded to bf16. cos, signed_sin: [rows, head_dim].
+ */
+int radixrt_int4_attention_inputs_bf16(
+    const uint16_t *hidden, int64_t rows, int64_t dim, const uint16_t *norm_weight, float eps,
+    const uint8_t *qkv_tiles, int64_t qkv_rows, const uint16_t *cos, const uint16_t *signed_sin,
+    int64_t rope_heads, int64_t head_dim, uint16_t *qkv, int num_threads
+) {
+    uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(rows * dim));
+    if (normed == NULL) return -1;
+    radixrt_rms_norm_bf16((uint16_t *)hidden, NULL, norm_weight, normed, rows, dim, eps, num_threads);
+    int status = radixrt_q4_matmul_bf16(normed, dim, rows, qkv_tiles, qkv_rows, dim, NULL, qkv, 0, num_threads);
+    free(normed);
+    if (status) return status;
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *c = cos + r * head_dim, *s = signed_sin + r * head_dim;
+        for (int64_t h = 0; h < rope_heads; h++) {
+            uint16_t *x = qkv + r * qkv_rows + h * head_dim;
+            #pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                float a = bf16_to_float(x[i]), b = bf16_to_float(x[i + half]);
+                float first = round_bf16(a * bf16_to_float(c[i])) + round_bf16(b * bf16_to_float(s[i]));
+                float second = round_bf16(b * bf16_to_float(c[i + half])) + round_bf16(a * bf16_to_float(s[i + half]));
+                x[i] = float_to_bf16(first);
+                x[i + half] = float_to_bf16(second);
+            }
+        }
+    }
+    return 0;
+}
+
+/*
+ * The rest of the layer, in place on hidden [rows, dim]:
+ *   hidden += attn @ w_o.T;  x = rms_norm(hidden);  [gate | up] = x @ w_gate_up.T;
+ *   hidden += (silu(gate) * up) @ w_down.T
+ * each step rounded to bf16 as the torch layer does.
+ */
+int radixrt_int4_finish_layer_bf16(
+    uint16_t *hidden, const uint16_t *attn, int64_t attn_stride, int64_t rows, int64_t dim, int64_t attn_dim,
+    const uint8_t *o_tiles, const uint16_t *norm_weight, float eps, const uint8_t *gate_up_tiles,
+    int64_t intermediate, const uint8_t *down_tiles, int num_threads
+) {
+    uint16_t *projected = malloc(sizeof(uint16_t) * (size_t)(rows * dim));
+    uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(rows * dim));
+    uint16_t *gate_up = malloc(sizeof(uint16_t) * (size_t)(rows * 2 * intermediate));
+    int status = -1;
+    if (projected == NULL || normed == NULL || gate_up == NULL) goto done;
+    status = radixrt_q4_matmul_bf16(attn, attn_stride, rows, o_tiles, dim, attn_dim, NULL, projected, 0, num_threads);
+    if (status) goto done;
+    radixrt_rms_norm_bf16(hidden, projected, norm_weight, normed, rows, dim, eps, num_threads);
+    status = radixrt_q4_matmul_bf16(normed, dim, rows, gate_up_tiles, 2 * intermediate, dim, NULL, gate_up, 0,
+                                    num_threads);
+    if (status) goto done;
+    /* silu(gate) * up, written over the gate half: the down projection reads it with the row stride */
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *gate = gate_up + r * 2 * intermediate;
+        const uint16_t *up = gate + intermediate;
+        #pragma omp simd
+        for (int64_t i = 0; i < intermediate; i++) {
+            float g = bf16_to_float(gate[i]);
+            float silu = round_bf16(g / (1.0f + exp_approx(-g)));
+            gate[i] = float_to_bf16(silu * bf16_to_float(up[i]));
+        }
+    }
+    status = radixrt_q4_matmul_bf16(gate_up, 2 * intermediate, rows, down_tiles, dim, intermediate, NULL, projected,
+                                    0, num_threads);
+    if (status) goto done;
+    for (int64_t r = 0; r < rows * dim; r++)
+        hidden[r] = float_to_bf16(bf16_to_float(hidden[r]) + bf16_to_float(projected[r]));
+done:
+    free(projected);
+    free(normed);
+    free(gate_up);
+    return status;
+}
