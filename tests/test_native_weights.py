@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from radixrt import Runtime
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model import gguf_int4, linear
-from radixrt.model.gguf_int4 import CACHE_FILE, Int4Weight, read_lm_head, read_projections
+from radixrt.model.gguf_int4 import CACHE_FILE, Int4Weight, Int8Weight, read_lm_head, read_projections
 from radixrt.model.loader import bundled_model_path, load_model
 
 
@@ -38,21 +38,25 @@ def test_q4_1_and_q4_0_blocks_are_read_as_ggml_writes_them():
     assert torch.equal(weight.dequantize(), torch.tensor([[0.5 * (q - 8) for q in codes]]))
 
 
-def test_a_q8_0_block_is_two_4bit_weights_summing_to_it():
+def test_a_q8_0_block_is_read_as_stored_and_splits_into_two_4bit_weights():
     values = [-128, 127, 0, -1, 1, 64, -65, 15, 16, -16, *range(-40, 70, 5)]
     assert len(values) == 32
     block = struct.pack("<e", 0.125) + np.array(values, dtype=np.int8).tobytes()
-    high, low = gguf_int4._read_q8_0_as_int4_pair(fake_tensor("Q8_0", [block]))
+    weight = gguf_int4._read_q8_0(fake_tensor("Q8_0", [block]))
+    assert weight.codes.tolist() == [values]
+    assert torch.equal(weight.dequantize(), torch.tensor([[0.125 * q for q in values]]))
+    high, low = weight.as_int4_pair()
     assert high.codes.max() <= 15 and low.codes.max() <= 15
-    assert torch.equal(high.dequantize() + low.dequantize(), torch.tensor([[0.125 * q for q in values]]))
+    assert torch.equal(high.dequantize() + low.dequantize(), weight.dequantize())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # radixrt's kernel where it runs, torch's
-def test_summed_int4_parts_equal_the_dense_product_of_their_sum(dtype):
-    parts = [random_int4(64, 96, seed=1), random_int4(64, 96, seed=2)]
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_lm_heads_are_the_dense_product_in_float32(dtype, bits):
+    weight = random_int4(64, 96, seed=1) if bits == 4 else random_int8(64, 96, seed=2)
     x = torch.randn(3, 96).to(dtype)
-    out = linear.int4_summed(parts, dtype)(x)
-    expected = F.linear(x.float(), parts[0].dequantize() + parts[1].dequantize())
+    out = linear.lm_head(weight, dtype)(x)
+    expected = F.linear(x.float(), weight.dequantize())
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
 
@@ -71,6 +75,14 @@ def random_int4(rows: int, cols: int, seed: int = 0) -> Int4Weight:
         torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8),
         (torch.rand(rows, groups, generator=generator) * 0.02).half().float(),
         (torch.randn(rows, groups, generator=generator) * 0.05).half().float(),
+    )
+
+
+def random_int8(rows: int, cols: int, seed: int = 0) -> Int8Weight:
+    generator = torch.Generator().manual_seed(seed)
+    return Int8Weight(
+        torch.randint(-128, 128, (rows, cols), generator=generator, dtype=torch.int8),
+        (torch.rand(rows, cols // gguf_int4.GROUP_SIZE, generator=generator) * 0.002).half().float(),
     )
 
 
@@ -93,8 +105,8 @@ def test_native_projections_are_exactly_the_dense_weights(smollm2):
                             ("down", layer.down_proj)):
             assert torch.equal(native[name].dequantize(), dense), f"layer {layer.index} {name}"
     head = read_lm_head(bundled_model_path())
-    assert len(head) == 2, "the bundled file stores its (tied) LM head as Q8_0: two 4-bit parts"
-    assert torch.equal(head[0].dequantize() + head[1].dequantize(), smollm2.model.lm_head)
+    assert isinstance(head, Int8Weight), "the bundled file stores its (tied) LM head as Q8_0"
+    assert torch.equal(head.dequantize(), smollm2.model.lm_head)
 
 
 @pytest.mark.slow

@@ -12,9 +12,10 @@ input dimension, exactly the file's values:
 
 The LM head is the largest single weight of a small model (SmolLM2: 57 MB of
 the 123 MB a 4-bit step reads). Files usually store it as Q8_0 (a scale per
-32 signed bytes, w = d * q), which has no 8-bit kernel with per-block scales;
-but an 8-bit code is two 4-bit ones, q + 128 = 16 * hi + lo, so the head is
-kept as two 4-bit weights whose products sum to the file's:
+32 signed bytes, w = d * q): it is kept so (`Int8Weight`) for radixrt's own
+kernel. torch has no 8-bit kernel with per-block scales, but an 8-bit code
+is two 4-bit ones, q + 128 = 16 * hi + lo, so where torch's 4-bit kernel runs
+the head is two 4-bit weights whose products sum to the file's:
 
     hi: codes hi, scale 16 d, offset -128 d      lo: codes lo, scale d, offset 0
 
@@ -83,12 +84,35 @@ class Int4Weight:
 
 
 @dataclass(frozen=True)
+class Int8Weight:
+    """A [N, K] weight as signed 8-bit codes with a scale per group of 32 along K: w = q * scale (Q8_0)."""
+
+    codes: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N, K // GROUP_SIZE] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight the codes stand for."""
+        return self.codes.float() * self.scales.repeat_interleave(GROUP_SIZE, dim=1)
+
+    def as_int4_pair(self) -> list[Int4Weight]:
+        """Two 4-bit weights whose sum is this one, exactly (see the module docstring)."""
+        shifted = (self.codes.to(torch.int16) + 128).to(torch.uint8)
+        high = Int4Weight(shifted >> 4, 16 * self.scales, -128 * self.scales)
+        low = Int4Weight(shifted & 0x0F, self.scales, torch.zeros_like(self.scales))
+        return [high, low]
+
+
+@dataclass(frozen=True)
 class NativeWeights:
     """What `weights="native"` multiplies by: per layer its fused projections, and the LM head as
-    4-bit parts whose products sum to it (empty when the file stores the head in another type)."""
+    the file stores it (None when that is a type without a kernel: the head then stays dense)."""
 
     layers: list[dict[str, Int4Weight]]
-    lm_head: list[Int4Weight]
+    lm_head: Int4Weight | Int8Weight | None
 
 
 CACHE_FILE = "int4_projections.safetensors"
@@ -110,10 +134,10 @@ def load_projections(gguf_path: Path, cache_folder: Path, config: ModelConfig) -
     cached = cache_folder / CACHE_FILE
     if cached.is_file():
         tensors = load_file(cached)
-        if "lm_head.parts" in tensors:  # caches written before the LM head was native lack it
+        if "lm_head.bits" in tensors:  # older caches kept the head otherwise: rebuilt once
             return NativeWeights(
                 [{name: _cached(tensors, f"{i}.{name}") for name in _PROJECTIONS} for i in range(config.num_layers)],
-                [_cached(tensors, f"lm_head.{j}") for j in range(int(tensors["lm_head.parts"]))],
+                _cached_head(tensors),
             )
     native = NativeWeights(read_projections(gguf_path, config), read_lm_head(gguf_path))
     flat = {
@@ -122,11 +146,12 @@ def load_projections(gguf_path: Path, cache_folder: Path, config: ModelConfig) -
         for name, weight in layer.items()
         for part in ("codes", "scales", "offsets")
     }
-    flat.update(
-        {f"lm_head.{j}.{part}": getattr(weight, part).contiguous()
-         for j, weight in enumerate(native.lm_head) for part in ("codes", "scales", "offsets")}
-    )
-    flat["lm_head.parts"] = torch.tensor(len(native.lm_head))
+    head = native.lm_head
+    flat["lm_head.bits"] = torch.tensor(0 if head is None else 8 if isinstance(head, Int8Weight) else 4)
+    if head is not None:
+        flat.update({f"lm_head.{part}": getattr(head, part).contiguous() for part in ("codes", "scales")})
+    if isinstance(head, Int4Weight):
+        flat["lm_head.offsets"] = head.offsets.contiguous()
     tmp = cache_folder / f".{CACHE_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
     save_file(flat, tmp)
     os.replace(tmp, cached)  # readers see the whole file or none
@@ -137,30 +162,33 @@ def _cached(tensors: dict[str, torch.Tensor], key: str) -> Int4Weight:
     return Int4Weight(tensors[f"{key}.codes"], tensors[f"{key}.scales"], tensors[f"{key}.offsets"])
 
 
-def read_lm_head(path: Path) -> list[Int4Weight]:
-    """The LM head (`output.weight`, or `token_embd.weight` when the embedding is tied) as 4-bit
-    parts whose products sum to it: one for Q4_0/Q4_1, two for Q8_0 (see the module docstring),
-    none for any other type (the head then stays dense)."""
+def _cached_head(tensors: dict[str, torch.Tensor]) -> Int4Weight | Int8Weight | None:
+    bits = int(tensors["lm_head.bits"])
+    if bits == 8:
+        return Int8Weight(tensors["lm_head.codes"], tensors["lm_head.scales"])
+    return _cached(tensors, "lm_head") if bits == 4 else None
+
+
+def read_lm_head(path: Path) -> Int4Weight | Int8Weight | None:
+    """The LM head (`output.weight`, or `token_embd.weight` when the embedding is tied) as the
+    file stores it, if that is Q4_0, Q4_1 or Q8_0; else None (the head then stays dense)."""
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     tensor = tensors.get(name)
     if tensor is None or tensor.tensor_type.name not in LM_HEAD_TYPES:
-        return []
+        return None
     if tensor.tensor_type.name == "Q8_0":
-        return _read_q8_0_as_int4_pair(tensor)
-    return [_read(tensors, name)]
+        return _read_q8_0(tensor)
+    return _read(tensors, name)
 
 
-def _read_q8_0_as_int4_pair(tensor: gguf.ReaderTensor) -> list[Int4Weight]:
+def _read_q8_0(tensor: gguf.ReaderTensor) -> Int8Weight:
     blocks = np.asarray(tensor.data, dtype=np.uint8)
     num_rows = blocks.shape[0]
     blocks = blocks.reshape(num_rows, -1, 34)
     scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    shifted = torch.from_numpy((blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
-    shifted = shifted.reshape(num_rows, -1)
-    high = Int4Weight(shifted >> 4, 16 * scales, -128 * scales)
-    low = Int4Weight(shifted & 0x0F, scales, torch.zeros_like(scales))
-    return [high, low]
+    codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(num_rows, -1))
+    return Int8Weight(codes, scales)
 
 
 def read_projections(path: Path, config: ModelConfig) -> list[dict[str, Int4Weight]]:

@@ -24,14 +24,14 @@ class Int4LayerSteps:
     """One layer's packed 4-bit weights and norms, and the two calls that use them."""
 
     kernels: cpu.Int4Layer
-    qkv: torch.Tensor  # packed (cpu.Q4Matmul.pack)
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: cpu.PackedWeight
+    o: cpu.PackedWeight
+    gate_up: cpu.PackedWeight
+    down: cpu.PackedWeight
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
     eps: float
-    shape: tuple[int, int, int, int, int]  # hidden, q heads, kv heads, head_dim, intermediate
+    heads: tuple[int, int, int]  # q heads, kv heads, head_dim
 
     @staticmethod
     def create(
@@ -40,32 +40,25 @@ class Int4LayerSteps:
     ) -> Int4LayerSteps | None:
         """The steps for this layer, or None where the kernels do not run (no compiler or
         AVX512-BF16, non-bf16 norms, shapes outside the kernel's tiles)."""
-        kernels, q4 = cpu.int4_layer(), cpu.q4_matmul()
-        if kernels is None or q4 is None or input_norm.dtype != torch.bfloat16:
+        kernels, matmul = cpu.int4_layer(), cpu.quantized_matmul()
+        if kernels is None or matmul is None or input_norm.dtype != torch.bfloat16:
             return None
-        if not all(q4.supports(weight.shape) for weight in weights.values()):
+        if not all(matmul.supports(weight.shape) for weight in weights.values()):
             return None
-        packed = {name: q4.pack(w.codes, w.scales, w.offsets) for name, w in weights.items()}
-        hidden = input_norm.shape[0]
-        intermediate = weights["gate_up"].shape[0] // 2
+        packed = {name: matmul.pack_int4(w.codes, w.scales, w.offsets) for name, w in weights.items()}
         return Int4LayerSteps(
             kernels, packed["qkv"], packed["o"], packed["gate_up"], packed["down"], input_norm, post_attention_norm,
-            eps, (hidden, num_heads, num_kv_heads, head_dim, intermediate),
+            eps, (num_heads, num_kv_heads, head_dim),
         )  # fmt: skip
 
     def attention_inputs(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """[T, q + k + v heads, head_dim]: q and k rotated, as the torch layer computes them."""
-        _, num_heads, num_kv_heads, head_dim, _ = self.shape
-        heads = num_heads + 2 * num_kv_heads
+        num_heads, num_kv_heads, head_dim = self.heads
         qkv = self.kernels.attention_inputs(
-            hidden, self.input_norm, self.eps, self.qkv, heads * head_dim, cos, signed_sin,
-            num_heads + num_kv_heads, head_dim,
-        )  # fmt: skip
-        return qkv.view(hidden.shape[0], heads, head_dim)
+            hidden, self.input_norm, self.eps, self.qkv, cos, signed_sin, num_heads + num_kv_heads, head_dim
+        )
+        return qkv.view(hidden.shape[0], -1, head_dim)
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """`hidden` with the attention output's projection and the MLP added, in place."""
-        intermediate = self.shape[4]
-        return self.kernels.finish(
-            hidden, attn, self.o, self.post_attention_norm, self.eps, self.gate_up, intermediate, self.down
-        )
+        return self.kernels.finish(hidden, attn, self.o, self.post_attention_norm, self.eps, self.gate_up, self.down)

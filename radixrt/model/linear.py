@@ -7,12 +7,13 @@ gives bit-identical results, which `pack` checks before using it.
 fp32 is left on `F.linear` (MKL): the packed fp32 path rounds differently,
 and fp32 is the dtype our exactness tests compare against transformers.
 
-`int4` multiplies by a GGUF file's own 4-bit weights (see `gguf_int4`)
-through torch's CPU weight-only kernel, reading a quarter of bf16's bytes.
-The kernel takes its per-block scales in the activations' dtype: exact in
-float32, but there it runs a slow generic path, so bf16 models use it in
-bf16, which rounds each block's scale and offset to 8 significant bits
-(the 4-bit codes stay the file's).
+`int4` and `lm_head` multiply by a GGUF file's own 4-bit (8-bit: the head)
+weights (see `gguf_int4`), reading a quarter (half) of bf16's bytes. For
+bf16 on an AVX512-BF16 CPU that is radixrt's kernel, exact in the file's
+weights; elsewhere torch's CPU weight-only kernel, which takes its per-block
+scales in the activations' dtype: exact in float32, but there it runs a
+slow generic path, so bf16 models use it in bf16, which rounds each block's
+scale and offset to 8 significant bits (the 4-bit codes stay the file's).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.kernels import cpu
-from radixrt.model.gguf_int4 import GROUP_SIZE, Int4Weight
+from radixrt.model.gguf_int4 import GROUP_SIZE, Int4Weight, Int8Weight
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -53,44 +54,46 @@ def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = Non
     kernel = _own_kernel(weight, dtype)
     if kernel is None:
         return _torch_int4(weight, dtype, bias)
-    num_rows, num_cols = weight.shape
-    packed = kernel.pack(weight.codes, weight.scales, weight.offsets)
+    packed = kernel.pack_int4(weight.codes, weight.scales, weight.offsets)
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        out = kernel(_rows(x, num_cols), packed, num_rows)
+        out = kernel(_rows(x, weight.shape[1]), packed)
         if bias is not None:
             out = out + bias
-        return out.view(*x.shape[:-1], num_rows)
+        return out.view(*x.shape[:-1], packed.num_rows)
 
     return linear
 
 
-def int4_summed(weights: list[Int4Weight], dtype: torch.dtype) -> Linear:
-    """The float32 sum of `x @ w.T` over several 4-bit weights of one shape: a GGUF Q8_0 LM
-    head is two of them (`gguf_int4`)."""
-    kernels = [_own_kernel(weight, dtype) for weight in weights]
-    if None in kernels:
-        return _summed_in_float32([_torch_int4(weight, dtype) for weight in weights])
-    kernel = kernels[0]
-    assert kernel is not None
-    num_rows, num_cols = weights[0].shape
-    packed = [kernel.pack(weight.codes, weight.scales, weight.offsets) for weight in weights]
+def lm_head(weight: Int4Weight | Int8Weight, dtype: torch.dtype) -> Linear:
+    """float32 logits `x @ w.T` for a GGUF file's own 4- or 8-bit LM head (CPU only).
+
+    radixrt's kernel multiplies by an 8-bit head as it is; torch's 4-bit
+    kernel takes it as two 4-bit weights (`Int8Weight.as_int4_pair`), each
+    product rounded to `dtype` and the two added in float32.
+    """
+    kernel = _own_kernel(weight, dtype)
+    if kernel is None:
+        parts = weight.as_int4_pair() if isinstance(weight, Int8Weight) else [weight]
+        return _summed_in_float32([_torch_int4(part, dtype) for part in parts])
+    if isinstance(weight, Int8Weight):
+        packed = kernel.pack_int8(weight.codes, weight.scales)
+    else:
+        packed = kernel.pack_int4(weight.codes, weight.scales, weight.offsets)
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        rows = _rows(x, num_cols)
-        out = torch.empty(rows.shape[0], num_rows, dtype=torch.float32)
-        for index, part in enumerate(packed):
-            kernel(rows, part, num_rows, out=out, accumulate=index > 0)
-        return out.view(*x.shape[:-1], num_rows)
+        rows = _rows(x, weight.shape[1])
+        out = kernel(rows, packed, out=torch.empty(rows.shape[0], packed.num_rows, dtype=torch.float32))
+        return out.view(*x.shape[:-1], packed.num_rows)
 
     return linear
 
 
-def _own_kernel(weight: Int4Weight, dtype: torch.dtype) -> cpu.Q4Matmul | None:
-    """radixrt's 4-bit kernel (`kernels/cpu/q4_matmul.c`) where it runs: bf16 activations, an
-    AVX512-BF16 CPU, a weight shape its layout takes. It multiplies by the file's exact weights
-    (torch's kernel below rounds the scales to bf16) and is several times faster on a few rows."""
-    kernel = cpu.q4_matmul() if dtype == torch.bfloat16 else None
+def _own_kernel(weight: Int4Weight | Int8Weight, dtype: torch.dtype) -> cpu.QuantizedMatmul | None:
+    """radixrt's quantized kernel (`kernels/cpu/quantized_matmul.c`) where it runs: bf16
+    activations, an AVX512-BF16 CPU, a weight shape its layout takes. It multiplies by the file's
+    exact weights (torch's kernel rounds the scales to bf16) and is several times faster on a few rows."""
+    kernel = cpu.quantized_matmul() if dtype == torch.bfloat16 else None
     return kernel if kernel is not None and kernel.supports(weight.shape) else None
 
 

@@ -24,6 +24,7 @@ from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model import linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_int4 import Int4Weight, NativeWeights
+from radixrt.model.int4_layer import Int4LayerSteps
 from radixrt.model.rope import RotaryEmbedding
 
 
@@ -83,6 +84,7 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, device=device, dtype=dtype)
         self.down_proj = _weight(hidden, config.intermediate_size, device=device, dtype=dtype)
         self._bind_linears(linear.plain)
+        self._int4_steps: Int4LayerSteps | None = None  # decode-sized steps in C (`use_int4`)
 
     def _bind_linears(self, make: Callable[..., linear.Linear]) -> None:
         self.qkv = make(self.qkv_proj, self.qkv_bias)
@@ -100,6 +102,14 @@ class LlamaDecoderLayer(nn.Module):
             if weights[name].shape != tuple(dense.shape):
                 raise ValueError(f"layer {self.index} {name}: 4-bit shape {weights[name].shape}, "
                                  f"model expects {tuple(dense.shape)}")
+        config = self.config
+        if self.q_norm is None and self.qkv_bias is None and self.o_bias is None:
+            self._int4_steps = Int4LayerSteps.create(
+                weights, self.input_norm, self.post_attention_norm, config.rms_norm_eps, config.num_heads,
+                config.num_kv_heads, config.head_dim,
+            )  # fmt: skip
+            if self._int4_steps is not None:
+                return  # the dense projections stay for larger steps
         dtype = self.input_norm.dtype
         rows = INT4_MAX_ROWS
         self.qkv = linear.by_rows(linear.int4(weights["qkv"], dtype, self.qkv_bias), self.qkv, rows)
@@ -119,6 +129,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         config = self.config
         num_tokens = hidden.shape[0]
+        if self._int4_steps is not None and num_tokens <= INT4_MAX_ROWS:
+            return self._int4_forward(self._int4_steps, hidden, cos, signed_sin, batch, backend, plan)
         x = self.rms_norm(hidden, self.input_norm, config.rms_norm_eps)
         qkv = self.qkv(x).view(num_tokens, -1, config.head_dim)
         num_qk_heads = config.num_heads + config.num_kv_heads
@@ -133,6 +145,18 @@ class LlamaDecoderLayer(nn.Module):
         x = self.rms_norm(hidden, self.post_attention_norm, config.rms_norm_eps, self.o(attn.reshape(num_tokens, -1)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return hidden.add_(self.down(F.silu(gate) * up))
+
+    def _int4_forward(
+        self, steps: Int4LayerSteps, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+        batch: ForwardBatch, backend: AttentionBackend[Any], plan: Any,
+    ) -> torch.Tensor:
+        """`forward` for a few tokens of a plain Llama layer on 4-bit weights (`int4_layer`)."""
+        num_tokens, num_heads = hidden.shape[0], self.config.num_heads
+        qkv = steps.attention_inputs(hidden, cos.view(num_tokens, -1), signed_sin.view(num_tokens, -1))
+        qk_heads = num_heads + self.config.num_kv_heads
+        attn = backend.forward(qkv[:, :num_heads], qkv[:, num_heads:qk_heads], qkv[:, qk_heads:], self.index, batch,
+                               plan)
+        return steps.finish(hidden, attn.reshape(num_tokens, -1))
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3's RMSNorm of each q and k head, [T, q heads + k heads, head_dim].
@@ -183,20 +207,19 @@ class LlamaForCausalLM(nn.Module):
 
         Call after `prepack`: the dense projections stay for steps of more
         than `INT4_MAX_ROWS` tokens (the embedding and norms are dense anyway).
-        The LM head goes 4-bit too when the file stores it in a type we can
-        split into 4-bit parts; its dense copy stays for the embedding lookup.
+        The LM head goes native too when the file stores it as Q4_0, Q4_1 or
+        Q8_0; its dense copy stays for the embedding lookup.
         """
         if len(native.layers) != len(self.layers):
             raise ValueError(f"got 4-bit weights for {len(native.layers)} layers, the model has {len(self.layers)}")
         for layer, weights in zip(self.layers, native.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.use_int4(weights)
-        for part in native.lm_head:
-            if part.shape != tuple(self.lm_head.shape):
-                raise ValueError(f"4-bit LM head shape {part.shape}, model expects {tuple(self.lm_head.shape)}")
-        if native.lm_head:
-            head = linear.int4_summed(native.lm_head, self.dtype)
-            self._lm_head = linear.by_rows(head, self._lm_head, INT4_MAX_ROWS)
+        head = native.lm_head
+        if head is not None:
+            if head.shape != tuple(self.lm_head.shape):
+                raise ValueError(f"quantized LM head shape {head.shape}, model expects {tuple(self.lm_head.shape)}")
+            self._lm_head = linear.by_rows(linear.lm_head(head, self.dtype), self._lm_head, INT4_MAX_ROWS)
 
     @property
     def device(self) -> torch.device:

@@ -11,7 +11,7 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
                         place, for all the query heads that share it.
     rms_norm.c          torch's bf16 rms_norm is about eight ops; here one
                         pass, with the residual add fused in.
-    q4_matmul.c         torch's 4-bit CPU matmul dequantizes to float32 and
+    quantized_matmul.c  torch's 4-bit CPU matmul dequantizes to float32 and
                         works one row at a time: 8 rows cost 8 times 1.
                         Here the codes feed bf16 dot products directly and
                         are decoded once for several rows (AVX512-BF16
@@ -39,6 +39,7 @@ import subprocess
 import threading
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -135,61 +136,81 @@ class RMSNorm:
         return out
 
 
-class Q4Matmul:
-    """`radixrt_q4_matmul_bf16`: bf16 rows times a 4-bit weight in the kernel's own layout (`pack`)."""
+class PackedWeight(NamedTuple):
+    """A weight in `QuantizedMatmul`'s layout."""
+
+    data: torch.Tensor  # uint8
+    bits: int  # 4 or 8
+    num_rows: int
+
+
+class QuantizedMatmul:
+    """`radixrt_quantized_matmul_bf16`: bf16 rows times a 4- or 8-bit GGUF weight (`pack_int4`, `pack_int8`)."""
 
     TILE_ROWS = 16
     GROUP = 32
 
     def __init__(self, library: ctypes.CDLL):
-        self._fn = library.radixrt_q4_matmul_bf16
-        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn = library.radixrt_quantized_matmul_bf16
+        pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._fn.argtypes = [
             pointer, i64, i64,  # x, x_row_stride, rows
-            pointer, i64, i64,  # packed weight, N, K
-            pointer, pointer, ctypes.c_int, ctypes.c_int,  # out fp32, out bf16, accumulate, num_threads
+            pointer, i32, i64, i64,  # packed weight, bits, N, K
+            pointer, pointer, i32,  # out fp32, out bf16, num_threads
         ]
-        self._fn.restype = ctypes.c_int
+        self._fn.restype = i32
 
     def supports(self, shape: tuple[int, int]) -> bool:
         """Whether a [N, K] weight fits the layout: N a multiple of 16 rows, K of 32 inputs."""
         return shape[0] % self.TILE_ROWS == 0 and shape[1] % self.GROUP == 0
 
-    def pack(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The kernel's layout of w = codes * scales + offsets (codes [N, K] uint8 in 0..15; scales,
-        offsets [N, K // 32], exact in fp16 as GGUF stores them): see q4_matmul.c."""
-        num_rows, num_cols = codes.shape
-        tiles, groups = num_rows // self.TILE_ROWS, num_cols // self.GROUP
-        # k = 32 g + 4 c + 2 h + e; the kernel's chunk c holds (row, e) pairs, nibble h
+    def pack_int4(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> PackedWeight:
+        """w = codes * scales + offsets (codes [N, K] uint8 in 0..15; scales, offsets [N, K // 32],
+        exact in fp16 as GGUF stores them) in the kernel's layout: see quantized_matmul.c."""
+        tiles, groups = self._tiles(codes)
+        # k = 32 g + 4 c + 2 h + e; chunk c holds (row, e) pairs, nibble h
         nibbles = codes.reshape(tiles, self.TILE_ROWS, groups, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
         chunks = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(tiles, groups, -1)
-        blocks = [chunks]
-        for values in (scales, offsets):
-            half = values.to(torch.float16)
-            if not torch.equal(half.float(), values.float()):
-                raise ValueError("4-bit scales and offsets must be exact in float16 (GGUF stores them so)")
-            blocks.append(half.reshape(tiles, self.TILE_ROWS, groups).permute(0, 2, 1).contiguous().view(torch.uint8))
-        return torch.cat(blocks, dim=-1).contiguous()
+        blocks = torch.cat([chunks, self._fp16_rows(scales, tiles, groups), self._fp16_rows(offsets, tiles, groups)], -1)
+        return PackedWeight(blocks.contiguous(), 4, codes.shape[0])
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, num_rows: int, out: torch.Tensor | None = None,
-                 accumulate: bool = False) -> torch.Tensor:
+    def pack_int8(self, codes: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
+        """w = codes * scales (codes [N, K] int8; scales [N, K // 32], exact in fp16) in the kernel's layout."""
+        tiles, groups = self._tiles(codes)
+        # k = 32 g + 4 c + 2 h + e; chunk c holds h-major 32-byte halves of (row, e) pairs
+        chunks = codes.view(torch.uint8).reshape(tiles, self.TILE_ROWS, groups, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
+        blocks = torch.cat([chunks.reshape(tiles, groups, -1), self._fp16_rows(scales, tiles, groups)], -1)
+        return PackedWeight(blocks.contiguous(), 8, codes.shape[0])
+
+    def _tiles(self, codes: torch.Tensor) -> tuple[int, int]:
+        if not self.supports(tuple(codes.shape)):
+            raise ValueError(f"weight shape {tuple(codes.shape)}: rows must be a multiple of 16, columns of 32")
+        return codes.shape[0] // self.TILE_ROWS, codes.shape[1] // self.GROUP
+
+    def _fp16_rows(self, values: torch.Tensor, tiles: int, groups: int) -> torch.Tensor:
+        half = values.to(torch.float16)
+        if not torch.equal(half.float(), values.float()):
+            raise ValueError("quantized scales and offsets must be exact in float16 (GGUF stores them so)")
+        return half.reshape(tiles, self.TILE_ROWS, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    def __call__(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ w.T` for bf16 rows `x` [M, K] (unit stride along K): bf16 [M, N], or written to
-        (`accumulate`: added to) the fp32 tensor `out` [M, N], contiguous, and returned."""
+        the fp32 tensor `out` [M, N], contiguous, and returned."""
         rows, num_cols = x.shape
         if out is None:
-            result = torch.empty(rows, num_rows, dtype=torch.bfloat16)
+            result = torch.empty(rows, weight.num_rows, dtype=torch.bfloat16)
             out_f32, out_bf16 = 0, result.data_ptr()
         else:
             result, out_f32, out_bf16 = out, out.data_ptr(), 0
-        status = self._fn(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), num_rows, num_cols,
-                          out_f32, out_bf16, int(accumulate), torch.get_num_threads())
+        status = self._fn(x.data_ptr(), x.stride(0), rows, weight.data.data_ptr(), weight.bits, weight.num_rows,
+                          num_cols, out_f32, out_bf16, torch.get_num_threads())
         if status:
-            raise MemoryError("4-bit matmul kernel could not allocate its row sums")
+            raise MemoryError("quantized matmul kernel could not allocate its row sums")
         return result
 
 
 class Int4Layer:
-    """`int4_layer.c`: a Llama layer's work before and after attention on `Q4Matmul.pack`ed weights."""
+    """`int4_layer.c`: a Llama layer's work before and after attention on `pack_int4`ed weights."""
 
     def __init__(self, library: ctypes.CDLL):
         pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -208,31 +229,31 @@ class Int4Layer:
         self._finish.restype = i32
 
     def attention_inputs(
-        self, hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, qkv_rows: int,
+        self, hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv: PackedWeight,
         cos: torch.Tensor, signed_sin: torch.Tensor, rotated_heads: int, head_dim: int,
     ) -> torch.Tensor:
-        """[T, qkv_rows] bf16: rms_norm(hidden) @ w_qkv.T with RoPE on the first `rotated_heads` heads.
-        hidden [T, dim], cos and signed_sin [T, head_dim] rows: bf16, contiguous."""
+        """[T, qkv rows] bf16: rms_norm(hidden) @ w_qkv.T with RoPE on the first `rotated_heads` heads.
+        hidden [T, dim], cos and signed_sin [T, head_dim] rows: bf16, contiguous; 4-bit weights."""
         rows, dim = hidden.shape
-        qkv = torch.empty(rows, qkv_rows, dtype=torch.bfloat16)
+        out = torch.empty(rows, qkv.num_rows, dtype=torch.bfloat16)
         status = self._inputs(
-            hidden.data_ptr(), rows, dim, norm_weight.data_ptr(), eps, qkv_weight.data_ptr(), qkv_rows,
-            cos.data_ptr(), signed_sin.data_ptr(), rotated_heads, head_dim, qkv.data_ptr(), torch.get_num_threads(),
+            hidden.data_ptr(), rows, dim, norm_weight.data_ptr(), eps, qkv.data.data_ptr(), qkv.num_rows,
+            cos.data_ptr(), signed_sin.data_ptr(), rotated_heads, head_dim, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise MemoryError("4-bit layer kernel could not allocate its buffers")
-        return qkv
+        return out
 
     def finish(
-        self, hidden: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-        gate_up_weight: torch.Tensor, intermediate: int, down_weight: torch.Tensor,
+        self, hidden: torch.Tensor, attn: torch.Tensor, o: PackedWeight, norm_weight: torch.Tensor, eps: float,
+        gate_up: PackedWeight, down: PackedWeight,
     ) -> torch.Tensor:
         """`hidden` ([T, dim] bf16, contiguous) after the attention output `attn` ([T, heads * head_dim],
-        unit stride along a row) and the MLP are added to it, in place; returned."""
+        unit stride along a row) and the MLP are added to it, in place; returned. 4-bit weights."""
         rows, dim = hidden.shape
         status = self._finish(
-            hidden.data_ptr(), attn.data_ptr(), attn.stride(0), rows, dim, attn.shape[1], o_weight.data_ptr(),
-            norm_weight.data_ptr(), eps, gate_up_weight.data_ptr(), intermediate, down_weight.data_ptr(),
+            hidden.data_ptr(), attn.data_ptr(), attn.stride(0), rows, dim, attn.shape[1], o.data.data_ptr(),
+            norm_weight.data_ptr(), eps, gate_up.data.data_ptr(), gate_up.num_rows // 2, down.data.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         if status:
@@ -252,16 +273,16 @@ def rms_norm() -> RMSNorm | None:
     return None if library is None else RMSNorm(library)
 
 
-def q4_matmul() -> Q4Matmul | None:
-    """The compiled 4-bit matmul; None where it cannot be built or the CPU lacks AVX512-BF16."""
+def quantized_matmul() -> QuantizedMatmul | None:
+    """The compiled 4/8-bit matmul; None where it cannot be built or the CPU lacks AVX512-BF16."""
     library = _load()
-    return None if library is None or not library.radixrt_q4_matmul_available() else Q4Matmul(library)
+    return None if library is None or not library.radixrt_quantized_matmul_available() else QuantizedMatmul(library)
 
 
 def int4_layer() -> Int4Layer | None:
-    """The compiled 4-bit layer parts; None wherever `q4_matmul` is."""
+    """The compiled 4-bit layer parts; None wherever `quantized_matmul` is."""
     library = _load()
-    return None if library is None or not library.radixrt_q4_matmul_available() else Int4Layer(library)
+    return None if library is None or not library.radixrt_quantized_matmul_available() else Int4Layer(library)
 
 
 def _load() -> ctypes.CDLL | None:

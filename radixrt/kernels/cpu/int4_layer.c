@@ -1,6 +1,6 @@
 /*
  * A Llama decoder layer's work around attention, for a few bf16 rows and
- * 4-bit weights (q4_matmul.c), in two calls instead of about thirty ops.
+ * 4-bit weights (quantized_matmul.c), in two calls instead of about thirty ops.
  *
  * At decode sizes each torch op costs a few microseconds of dispatch and
  * allocation whatever its arithmetic; a batch-1 step of the bundled model
@@ -20,8 +20,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-int radixrt_q4_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int64_t num_rows,
-                           int64_t num_cols, float *out, uint16_t *out_bf16, int accumulate, int num_threads);
+int radixrt_quantized_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
+                                  int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, int num_threads);
 void radixrt_rms_norm_bf16(uint16_t *hidden, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
                            int64_t rows, int64_t dim, float eps, int num_threads);
 
@@ -69,7 +69,7 @@ int radixrt_int4_attention_inputs_bf16(
     uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(rows * dim));
     if (normed == NULL) return -1;
     radixrt_rms_norm_bf16((uint16_t *)hidden, NULL, norm_weight, normed, rows, dim, eps, num_threads);
-    int status = radixrt_q4_matmul_bf16(normed, dim, rows, qkv_tiles, qkv_rows, dim, NULL, qkv, 0, num_threads);
+    int status = radixrt_quantized_matmul_bf16(normed, dim, rows, qkv_tiles, 4, qkv_rows, dim, NULL, qkv, num_threads);
     free(normed);
     if (status) return status;
     const int64_t half = head_dim / 2;
@@ -106,11 +106,12 @@ int radixrt_int4_finish_layer_bf16(
     uint16_t *gate_up = malloc(sizeof(uint16_t) * (size_t)(rows * 2 * intermediate));
     int status = -1;
     if (projected == NULL || normed == NULL || gate_up == NULL) goto done;
-    status = radixrt_q4_matmul_bf16(attn, attn_stride, rows, o_tiles, dim, attn_dim, NULL, projected, 0, num_threads);
+    status = radixrt_quantized_matmul_bf16(attn, attn_stride, rows, o_tiles, 4, dim, attn_dim, NULL, projected,
+                                           num_threads);
     if (status) goto done;
     radixrt_rms_norm_bf16(hidden, projected, norm_weight, normed, rows, dim, eps, num_threads);
-    status = radixrt_q4_matmul_bf16(normed, dim, rows, gate_up_tiles, 2 * intermediate, dim, NULL, gate_up, 0,
-                                    num_threads);
+    status = radixrt_quantized_matmul_bf16(normed, dim, rows, gate_up_tiles, 4, 2 * intermediate, dim, NULL, gate_up,
+                                           num_threads);
     if (status) goto done;
     /* silu(gate) * up, written over the gate half: the down projection reads it with the row stride */
     for (int64_t r = 0; r < rows; r++) {
@@ -123,8 +124,8 @@ int radixrt_int4_finish_layer_bf16(
             gate[i] = float_to_bf16(silu * bf16_to_float(up[i]));
         }
     }
-    status = radixrt_q4_matmul_bf16(gate_up, 2 * intermediate, rows, down_tiles, dim, intermediate, NULL, projected,
-                                    0, num_threads);
+    status = radixrt_quantized_matmul_bf16(gate_up, 2 * intermediate, rows, down_tiles, 4, dim, intermediate, NULL,
+                                           projected, num_threads);
     if (status) goto done;
     for (int64_t r = 0; r < rows * dim; r++)
         hidden[r] = float_to_bf16(bf16_to_float(hidden[r]) + bf16_to_float(projected[r]));

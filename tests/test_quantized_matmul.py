@@ -1,4 +1,4 @@
-"""The 4-bit matmul C kernel (kernels/cpu/q4_matmul.c) against a float64 product of the file's weights."""
+"""The quantized matmul C kernel (kernels/cpu/quantized_matmul.c) against a float64 product of the file's weights."""
 
 from __future__ import annotations
 
@@ -10,15 +10,22 @@ from hypothesis import strategies as st
 
 from radixrt.kernels import cpu
 from radixrt.model import linear
-from tests.test_native_weights import random_int4
+from radixrt.model.gguf_int4 import Int8Weight
+from tests.test_native_weights import random_int4, random_int8
 
 
 @pytest.fixture(scope="module")
-def kernel() -> cpu.Q4Matmul:
-    built = cpu.q4_matmul()
+def kernel() -> cpu.QuantizedMatmul:
+    built = cpu.quantized_matmul()
     if built is None:
         pytest.skip("no C compiler or no AVX512-BF16 on this CPU: torch's 4-bit kernel runs instead")
     return built
+
+
+def pack(kernel: cpu.QuantizedMatmul, weight) -> cpu.PackedWeight:
+    if isinstance(weight, Int8Weight):
+        return kernel.pack_int8(weight.codes, weight.scales)
+    return kernel.pack_int4(weight.codes, weight.scales, weight.offsets)
 
 
 def exact_product(x: torch.Tensor, weight) -> torch.Tensor:
@@ -30,57 +37,50 @@ def exact_product(x: torch.Tensor, weight) -> torch.Tensor:
     rows=st.integers(1, 19),
     tiles=st.integers(1, 11),
     groups=st.integers(1, 6),
+    bits=st.sampled_from([4, 8]),
     seed=st.integers(0, 2**16),
 )
-def test_kernel_is_the_exact_product_accumulated_in_float32(kernel, rows, tiles, groups, seed):
+def test_kernel_is_the_exact_product_accumulated_in_float32(kernel, rows, tiles, groups, bits, seed):
     """Any number of rows (blocks of 1-4 and their remainders), of 16-row tiles (blocks of 4,
-    remainders) and of 32-input groups."""
-    weight = random_int4(16 * tiles, 32 * groups, seed=seed)
+    remainders) and of 32-input groups, 4- and 8-bit codes."""
+    weight = (random_int4 if bits == 4 else random_int8)(16 * tiles, 32 * groups, seed=seed)
     x = torch.randn(rows, 32 * groups, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    packed = kernel.pack(weight.codes, weight.scales, weight.offsets)
+    packed = pack(kernel, weight)
     out = torch.empty(rows, 16 * tiles)
-    kernel(x, packed, 16 * tiles, out=out)
+    kernel(x, packed, out=out)
     expected = exact_product(x, weight)
     scale = expected.abs().max().item() + 1e-6
     assert (out.double() - expected).abs().max().item() <= 1e-5 * scale
     # bf16 output: the float32 result rounded once
-    assert torch.equal(kernel(x, packed, 16 * tiles), out.bfloat16())
+    assert torch.equal(kernel(x, packed), out.bfloat16())
 
 
 def test_a_row_gets_the_same_bits_in_any_batch(kernel):
     """Every row runs the same instructions whatever the batch size and blocking: batch invariance."""
-    weight = random_int4(16 * 7, 32 * 5, seed=3)
-    packed = kernel.pack(weight.codes, weight.scales, weight.offsets)
-    x = torch.randn(13, 32 * 5, generator=torch.Generator().manual_seed(4)).bfloat16()
-    together = kernel(x, packed, 16 * 7)
-    for row in range(13):
-        assert torch.equal(kernel(x[row : row + 1], packed, 16 * 7), together[row : row + 1])
-    assert torch.equal(kernel(x[2:9], packed, 16 * 7), together[2:9])
-
-
-def test_accumulate_adds_to_float32_output(kernel):
-    parts = [random_int4(32, 64, seed=5), random_int4(32, 64, seed=6)]
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
-    out = torch.empty(3, 32)
-    for index, part in enumerate(parts):
-        kernel(x, kernel.pack(part.codes, part.scales, part.offsets), 32, out=out, accumulate=index > 0)
-    expected = exact_product(x, parts[0]) + exact_product(x, parts[1])
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for weight in (random_int4(16 * 7, 32 * 5, seed=3), random_int8(16 * 7, 32 * 5, seed=3)):
+        packed = pack(kernel, weight)
+        x = torch.randn(13, 32 * 5, generator=torch.Generator().manual_seed(4)).bfloat16()
+        together = kernel(x, packed)
+        for row in range(13):
+            assert torch.equal(kernel(x[row : row + 1], packed), together[row : row + 1])
+        assert torch.equal(kernel(x[2:9], packed), together[2:9])
 
 
 def test_strided_rows_are_read_with_their_stride(kernel):
     weight = random_int4(48, 64, seed=8)
-    packed = kernel.pack(weight.codes, weight.scales, weight.offsets)
+    packed = pack(kernel, weight)
     wide = torch.randn(4, 100, generator=torch.Generator().manual_seed(9)).bfloat16()
     x = wide[:, 10:74]
     assert x.stride(0) == 100
-    assert torch.equal(kernel(x, packed, 48), kernel(x.contiguous(), packed, 48))
+    assert torch.equal(kernel(x, packed), kernel(x.contiguous(), packed))
 
 
 def test_scales_that_float16_cannot_hold_are_refused(kernel):
     weight = random_int4(16, 32, seed=10)
     with pytest.raises(ValueError, match="float16"):
-        kernel.pack(weight.codes, weight.scales + 1e-9, weight.offsets)
+        kernel.pack_int4(weight.codes, weight.scales + 1e-9, weight.offsets)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel.pack_int4(weight.codes[:8], weight.scales[:8], weight.offsets[:8])
 
 
 def test_float32_activations_stay_on_torchs_kernel(kernel):
@@ -97,6 +97,5 @@ def test_int4_linears_use_the_kernel_and_keep_leading_dimensions(kernel):
     bias = torch.randn(64).bfloat16()
     x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(14)).bfloat16()
     out = linear.int4(weight, torch.bfloat16, bias)(x)
-    packed = kernel.pack(weight.codes, weight.scales, weight.offsets)
     assert out.shape == (2, 3, 64)
-    assert torch.equal(out, (kernel(x.reshape(6, 96), packed, 64) + bias).view(2, 3, 64))
+    assert torch.equal(out, (kernel(x.reshape(6, 96), pack(kernel, weight)) + bias).view(2, 3, 64))

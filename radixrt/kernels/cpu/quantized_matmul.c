@@ -1,0 +1,216 @@
+/*
+ * out = x @ w.T for bf16 activations x [M, K] and a weight w [N, K] kept as
+ * GGUF stores it, with a scale d (and offset m) per row and group of 32 inputs:
+ *   4-bit (Q4_0/Q4_1 blocks):  w = d * q + m, q in 0..15
+ *   8-bit (Q8_0 blocks):       w = d * q,     q in -128..127
+ *
+ * A decode step multiplies a few rows by every weight of the model once.
+ * torch's CPU 4-bit kernel dequantizes to float32 and multiplies one row at
+ * a time with float32 FMAs: at 8 rows it does 8 times the work of 1, and a
+ * batch-8 step of the bundled model spent most of its time there. Here the
+ * codes are turned into bf16 integers in registers (exact: |q| <= 128) and
+ * multiplied with AVX512-BF16 dot products, 32 products an instruction; the
+ * decoded codes are reused for every row of a block of M, and the group's
+ * scale and offset are applied once per group:
+ *
+ *     sum_k x_k w_k  =  sum_g [ d_g * sum_{k in g} q_k x_k  +  m_g * sum_{k in g} x_k ]
+ *
+ * Products of bf16 values are exact in float32 and the codes are exact, so
+ * this is the file's weight times x with float32 accumulation; nothing is
+ * rounded to bf16 but the output. Every row runs the same instruction
+ * sequence whatever M and the blocking are, so a row's result does not
+ * depend on the batch it is in.
+ *
+ * Layout (`QuantizedMatmul.pack_*` in Python): the N rows in tiles of 16,
+ * vector lanes running over the tile's rows; a group's 32 inputs in 8
+ * chunks of 4 (k = 32 g + 4 c + j), each chunk decoding to two vectors of
+ * (row, 2 inputs) bf16 pairs, the layout of the dot-product instruction.
+ * For tile t and group g:
+ *   4-bit, 320 bytes: 8 chunks of 32 bytes, byte 2n + e (row n, e in 0..1):
+ *       low nibble q[n][32g + 4c + e], high nibble q[n][32g + 4c + 2 + e];
+ *       16 fp16 scales d, 16 fp16 offsets m
+ *   8-bit, 544 bytes: 8 chunks of 64 bytes: byte 2n + e = q[n][32g + 4c + e],
+ *       byte 32 + 2n + e = q[n][32g + 4c + 2 + e]; 16 fp16 scales d
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE_ROWS 16
+#define GROUP 32
+#define CHUNKS 8
+#define CHUNK_BYTES(bits) ((bits) == 4 ? 32 : 64)
+#define BLOCK_BYTES(bits) (CHUNKS * CHUNK_BYTES(bits) + ((bits) == 4 ? 2 : 1) * TILE_ROWS * 2)
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <omp.h>
+
+int radixrt_quantized_matmul_available(void) { return 1; }
+
+/* bf16 bit patterns of i & 15: a permute by the 16-bit lanes' low 5 bits decodes a nibble. */
+static const uint16_t CODE_TABLE[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+};
+
+/* 16 signed bytes as bf16 integers (exact), via float32: AVX512-BF16 has no integer conversion. */
+static inline __m512bh int8_to_bf16(const uint8_t *bytes) {
+    __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes)));
+    __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16))));
+    return _mm512_cvtne2ps_pbh(second, first);
+}
+
+static inline uint32_t load_pair(const uint16_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/*
+ * NT consecutive tiles times MB rows of x, NT * MB independent chains of dot
+ * products (one per tile and row, in a fixed order), so that 6-8 chains hide
+ * the instruction's latency at any M: 8 tiles at M = 1, 1 tile at M >= 5.
+ */
+static inline __attribute__((always_inline)) void tile_block(
+    const uint8_t *tiles, int64_t groups, const uint16_t *x, int64_t x_stride, const float *x_sums,
+    int64_t tile, int nt, int mb, int bits, float *out, int64_t out_stride, uint16_t *out_bf16
+) {
+    const __m512i table = _mm512_loadu_si512(CODE_TABLE);
+    __m512 acc[8][8];
+    _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
+        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) acc[t][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 dots[8][8];
+        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
+            _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dots[t][r] = _mm512_setzero_ps();
+        for (int c = 0; c < CHUNKS; c++) {
+            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+                const uint8_t *chunk = tiles + ((tile + t) * groups + g) * BLOCK_BYTES(bits) + CHUNK_BYTES(bits) * c;
+                __m512bh low_codes, high_codes;
+                if (bits == 4) {
+                    __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)chunk));
+                    low_codes = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
+                    high_codes = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+                } else {
+                    low_codes = int8_to_bf16(chunk);
+                    high_codes = int8_to_bf16(chunk + 32);
+                }
+                _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
+                    const uint16_t *xs = x + r * x_stride + g * GROUP + 4 * c;
+                    dots[t][r] = _mm512_dpbf16_ps(dots[t][r], low_codes, (__m512bh)_mm512_set1_epi32(load_pair(xs)));
+                    dots[t][r] = _mm512_dpbf16_ps(dots[t][r], high_codes, (__m512bh)_mm512_set1_epi32(load_pair(xs + 2)));
+                }
+            }
+        }
+        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+            const uint8_t *scales = tiles + ((tile + t) * groups + g) * BLOCK_BYTES(bits) + CHUNKS * CHUNK_BYTES(bits);
+            __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+            _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) acc[t][r] = _mm512_fmadd_ps(scale, dots[t][r], acc[t][r]);
+            if (bits == 4) {
+                __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
+                _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
+                    acc[t][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[r * groups + g]), acc[t][r]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
+            int64_t column = (tile + t) * TILE_ROWS;
+            if (out_bf16 != NULL) {
+                _mm256_storeu_si256((__m256i *)(out_bf16 + r * out_stride + column),
+                                    (__m256i)_mm512_cvtneps_pbh(acc[t][r]));
+            } else {
+                _mm512_storeu_ps(out + r * out_stride + column, acc[t][r]);
+            }
+        }
+    }
+}
+
+/* Tiles per block for a block of mb rows: about 8 chains. */
+static inline int tiles_per_block(int mb) { return mb == 1 ? 8 : mb == 2 ? 4 : mb <= 4 ? 2 : 1; }
+
+/* The block shapes and code widths, each its own unrolled code. */
+static void run_block(const uint8_t *tiles, int64_t groups, const uint16_t *x, int64_t x_stride,
+                      const float *x_sums, int64_t tile, int nt, int mb, int bits, float *out, uint16_t *out_bf16,
+                      int64_t out_stride) {
+#define CASE(NT, MB, BITS) \
+    if (nt == NT && mb == MB && bits == BITS) { \
+        tile_block(tiles, groups, x, x_stride, x_sums, tile, NT, MB, BITS, out, out_stride, out_bf16); \
+        return; \
+    }
+#define SHAPES(BITS) \
+    CASE(8, 1, BITS) CASE(4, 2, BITS) CASE(2, 3, BITS) CASE(2, 4, BITS) \
+    CASE(1, 1, BITS) CASE(1, 2, BITS) CASE(1, 3, BITS) CASE(1, 4, BITS) \
+    CASE(1, 5, BITS) CASE(1, 6, BITS) CASE(1, 7, BITS) CASE(1, 8, BITS)
+    SHAPES(4) SHAPES(8)
+#undef SHAPES
+#undef CASE
+}
+
+/*
+ * out[r] (fp32, or bf16 when out_bf16 is not NULL) = x[r] @ w.T for r < m. num_rows % 16 == 0 and
+ * num_cols % 32 == 0 (the caller checks). Returns 0, -1 without memory, -2 for other bits.
+ */
+int radixrt_quantized_matmul_bf16(
+    const uint16_t *x, int64_t x_stride, int64_t m,
+    const uint8_t *tiles, int bits, int64_t num_rows, int64_t num_cols,
+    float *out, uint16_t *out_bf16, int num_threads
+) {
+    if (bits != 4 && bits != 8) return -2;
+    const int64_t groups = num_cols / GROUP, num_tiles = num_rows / TILE_ROWS;
+    float *x_sums = malloc(sizeof(float) * (size_t)(m * groups));
+    if (x_sums == NULL) return -1;
+    const __m512 ones = _mm512_castsi512_ps(_mm512_set1_epi16((short)0x3F80));
+    for (int64_t r = 0; r < (bits == 4 ? m : 0); r++) {  /* the offsets' sums: 8-bit blocks have none */
+        for (int64_t g = 0; g < groups; g++) {
+            __m512bh values = (__m512bh)_mm512_loadu_si512(x + r * x_stride + g * GROUP);
+            x_sums[r * groups + g] = _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), values, (__m512bh)ones));
+        }
+    }
+    /* Each thread takes an equal run of tiles; within it, a block of tiles is multiplied by every
+     * block of 8 rows while its codes are in cache, so the weights are read from memory once. */
+    const int nt = m <= 8 ? tiles_per_block((int)m) : 1;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        int64_t first = num_tiles * thread / threads, last = num_tiles * (thread + 1) / threads;
+        for (int64_t tile = first; tile < last; tile += nt) {
+            int block_tiles = tile + nt <= last ? nt : (int)(last - tile);
+            for (int64_t r = 0; r < m; r += 8) {
+                int mb = m - r >= 8 ? 8 : (int)(m - r);
+                const uint16_t *rows = x + r * x_stride;
+                float *out_rows = out == NULL ? NULL : out + r * num_rows;
+                uint16_t *out_rows_bf16 = out_bf16 == NULL ? NULL : out_bf16 + r * num_rows;
+                if (block_tiles == nt) {
+                    run_block(tiles, groups, rows, x_stride, x_sums + r * groups, tile, nt, mb, bits, out_rows,
+                              out_rows_bf16, num_rows);
+                } else {
+                    for (int t = 0; t < block_tiles; t++)
+                        run_block(tiles, groups, rows, x_stride, x_sums + r * groups, tile + t, 1, mb, bits,
+                                  out_rows, out_rows_bf16, num_rows);
+                }
+            }
+        }
+    }
+    free(x_sums);
+    return 0;
+}
+
+#else
+
+int radixrt_quantized_matmul_available(void) { return 0; }
+
+int radixrt_quantized_matmul_bf16(
+    const uint16_t *x, int64_t x_stride, int64_t m,
+    const uint8_t *tiles, int bits, int64_t num_rows, int64_t num_cols,
+    float *out, uint16_t *out_bf16, int num_threads
+) {
+    (void)x; (void)x_stride; (void)m; (void)tiles; (void)bits; (void)num_rows; (void)num_cols;
+    (void)out; (void)out_bf16; (void)num_threads;
+    return -1;
+}
+
+#endif
