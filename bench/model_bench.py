@@ -1,6 +1,7 @@
 """Forward-pass speed of radixrt's model runner against transformers, same weights, same run.
 
-Measures, for the bundled SmolLM2-135M-Instruct on this machine, per dtype:
+Measures, for the bundled SmolLM2-135M-Instruct (or `--config`: a Hugging Face folder,
+or a named shape from SHAPES with random weights) on this machine, per dtype:
   prefill   one prompt of --prefill-len tokens: tokens/s (transformers: model(input_ids)
             with logits_to_keep=1, as generate() does; radixrt: one ForwardBatch)
   decode    one step for --batch-sizes sequences of --context tokens each: ms/step
@@ -15,8 +16,12 @@ best run is the one least disturbed. `--weights native` runs radixrt on the GGUF
 own 4-bit projections (transformers always runs the dense weights).
 Not a test: nothing is asserted.
 
-    python bench/model_bench.py [--dtypes fp32,bf16] [--weights dense,native] [--prefill-len 512]
+    python bench/model_bench.py [--config qwen3-0.6b | gemma3-270m | ... | FOLDER]
+                                [--dtypes fp32,bf16] [--weights dense,native] [--prefill-len 512]
                                 [--context 256] [--batch-sizes 1,8,32] [--threads 1,2]
+
+Named shapes are the real models' layer shapes with seeded random weights (speed does not
+depend on the values): both sides then hold a copy, e.g. about 2 x 2.4 GB for qwen3-0.6b in fp32.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ import argparse
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import transformers
@@ -34,9 +41,50 @@ import transformers
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
 from radixrt.memory.kv_cache import KVCache
-from radixrt.model.gguf_int4 import read_lm_head
+from radixrt.model.gguf_int4 import Int8Weight, read_lm_head
 from radixrt.model.loader import LoadedModel, bundled_model_path, load_model
 from radixrt.model.runner import ModelRunner
+
+_GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}  # fmt: skip
+_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024, "max_position_embeddings": 4096}  # fmt: skip
+# name -> (transformers config class, its arguments): the published shapes (layers, widths,
+# heads, vocabulary, windows) at the 135M-600M scale, and tiny ones for a quick run.
+SHAPES: dict[str, tuple[str, dict[str, object]]] = {
+    "qwen3-0.6b": ("Qwen3Config", {
+        "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "tie_word_embeddings": True}),
+    "gemma3-270m": ("Gemma3TextConfig", {
+        "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "sliding_window": 512, "max_position_embeddings": 32768, "rope_parameters": _GEMMA3_ROPE}),
+    "qwen3-tiny": ("Qwen3Config", _TINY),
+    "gemma2-tiny": ("Gemma2Config", {**_TINY, "sliding_window": 64}),
+    "gemma3-tiny": ("Gemma3TextConfig", {**_TINY, "sliding_window": 64, "rope_parameters": _GEMMA3_ROPE}),
+    "phi3-tiny": ("Phi3Config", {**_TINY, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1}),
+    "mistral-tiny": ("MistralConfig", {**_TINY, "sliding_window": 64}),
+}  # fmt: skip
+
+
+def model_folder(config: str, scratch: Path) -> Path:
+    """`config` as a Hugging Face folder: itself if it is one, else the named shape written with
+    seeded random weights and a one-token tokenizer (the benchmark feeds token ids)."""
+    if Path(config).is_dir():
+        return Path(config)
+    if config not in SHAPES:
+        raise SystemExit(f"--config {config!r} is neither a folder nor a shape; shapes: {', '.join(SHAPES)}")
+    from tokenizers import Tokenizer, models
+
+    class_name, kwargs = SHAPES[config]
+    hf_config = getattr(transformers, class_name)(**kwargs)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).save_pretrained(scratch)
+    backend = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(scratch)
+    return scratch
 
 
 def paired_times(
@@ -127,19 +175,23 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def step_weight_bytes(loaded: LoadedModel) -> int:
     """Bytes of weights one batch-1 decode step reads: the projections and the LM head, as stored
-    (native: 4-bit codes, and a scale and a zero per 32 in the model's dtype; a Q8_0 head is two
-    such 4-bit parts)."""
+    (native: 4-bit codes with a 16-bit scale and offset per 32; a Q8_0 head 8-bit codes with a
+    16-bit scale per 32)."""
     model = loaded.model
 
     def int4_bytes(numel: int) -> int:
-        return numel // 2 + numel // 32 * 2 * model.lm_head.element_size()
+        return numel // 2 + numel // 32 * 4
 
     def dense_bytes(weight: torch.Tensor) -> int:
         return weight.numel() * weight.element_size()
 
     native = loaded.weights == "native"
-    head_parts = len(read_lm_head(bundled_model_path())) if native else 0  # the bench loads the bundled model
-    total = head_parts * int4_bytes(model.lm_head.numel()) if head_parts else dense_bytes(model.lm_head)
+    head = read_lm_head(bundled_model_path()) if native else None  # native: only the bundled model
+    numel = model.lm_head.numel()
+    if head is None:
+        total = dense_bytes(model.lm_head)
+    else:
+        total = numel + numel // 32 * 2 if isinstance(head, Int8Weight) else int4_bytes(numel)
     for layer in model.layers:
         for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             total += int4_bytes(weight.numel()) if native else dense_bytes(weight)
@@ -157,6 +209,7 @@ def cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help=f"a Hugging Face folder or a shape: {', '.join(SHAPES)} (default: bundled)")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--weights", default="dense", help="radixrt's weights: dense, native or both (dense,native)")
     parser.add_argument("--prefill-len", type=int, default=512)
@@ -169,11 +222,21 @@ def main() -> None:
         help="torch thread counts to measure, e.g. 1,2 (both sides use the same count)",
     )
     args = parser.parse_args()
+    if args.config is not None and args.weights != "dense":
+        raise SystemExit("--weights native needs the bundled GGUF model: drop --config or use --weights dense")
     transformers.utils.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="radixrt-model-bench-") as scratch:
+        folder = None if args.config is None else model_folder(args.config, Path(scratch))
+        run(args, folder)
+
+
+def run(args: argparse.Namespace, folder: Path | None) -> None:
+    """Print the table for the bundled model (`folder` None) or the model in `folder`."""
     statistic = statistics.median if args.statistic == "median" else min
     print(
         f"CPU: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}; {args.statistic} of {args.runs} runs"
+        f"transformers {transformers.__version__}; {args.statistic} of {args.runs} runs; "
+        f"model: {args.config or 'bundled SmolLM2-135M-Instruct'}"
     )
     bandwidth = read_bandwidth()
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s (1 GiB float32 sum, best of 5)")
@@ -182,7 +245,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         hf_model = None
         for weights in args.weights.split(","):
-            loaded = load_model(None, device="cpu", dtype=dtype, weights=weights)
+            loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights)
             if hf_model is None:
                 hf_model = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=loaded.model.dtype)
                 hf_model.eval()

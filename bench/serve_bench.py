@@ -1,12 +1,13 @@
-"""`radixrt serve` over HTTP against the same engine in-process: what the server adds, and a soak.
+"""`radixrt serve` over HTTP against the same engine in-process and vLLM's server: what it adds, and a soak.
 
 Opt-in benchmark, not a test: wall-clock figures depend on the machine.
 
 Workloads (seeded, built here; their token counts are printed first):
   chat      3-turn conversations over 3 shared system prompts of 250-300
             tokens (a shop assistant's persona, rules and a stock table):
-            max(min(2K, 64), K, 8) of them, two per client but at most 64 (more
-            takes a full run well past 25 minutes on 2 cores); user turns of
+            max(min(2K, 64), K, 8) of them (or --conversations), two per client
+            but at most 64 (more takes a full run well past 25 minutes on 2
+            cores); user turns of
             15-30 tokens; every answer exactly 32 tokens (greedy,
             ignore_eos). A turn resends the earlier answers exactly as returned,
             so later turns hit the radix cache on the whole history.
@@ -15,25 +16,38 @@ Workloads (seeded, built here; their token counts are printed first):
 At concurrency K, K client tasks take the next conversation or question from
 a shared queue until none is left.
 
-Paths, with the same runtime options (bundled model, default dtype, a
-65,536-token KV pool, so no request is retracted):
+Paths (--paths; the radixrt ones with the same runtime options: bundled
+model, default dtype, a 65,536-token KV pool, so no request is retracted):
   http    `radixrt serve` in a subprocess on 127.0.0.1, driven by an
           httpx.AsyncClient reading SSE (stream, include_usage)
   inproc  a radixrt.Runtime in this process, `async_generate(stream=True)`
-Both stay loaded for the whole run (an idle engine thread sleeps on a
-condition, so the idle one costs no CPU) and take turns level by level,
-repetition by repetition, the order alternating between repetitions so
-neither always runs first. Each path is warmed up once; every level starts
-from a flushed cache. The HTTP client runs in this process: its CPU time
-counts against the HTTP path, as it would for any real client on this machine.
+  vllm    (with --vllm-python) vLLM's OpenAI server
+          (`python -m vllm.entrypoints.openai.api_server`) in a subprocess on
+          127.0.0.1, driven exactly as `http`. Set up as peers_bench's vLLM:
+          radixrt's de-quantized Hugging Face folder in bf16, prefix caching
+          on, seed 0, vLLM's CPU defaults otherwise (its automatic thread
+          binding: on 2 cores one OpenMP compute thread, the other core left
+          to its scheduler and front end); the folder's chat template, a KV
+          cache of the same 65,536 tokens, cached prompt tokens reported
+          (--enable-prompt-tokens-details), no access log (as `radixrt
+          serve` at info), and its dev endpoint /reset_prefix_cache to flush.
+          Its start-up (model compilation) takes minutes.
+All chosen paths stay loaded for the whole run (an idle engine sleeps, so
+the idle ones cost next to no CPU: vLLM's idle worker takes ~1% of a core)
+and take turns level by level, repetition by repetition, the order reversing
+between repetitions so none always runs first. Each path is warmed up once;
+every level starts from a flushed cache.
+The HTTP client runs in this process: its CPU time counts against the HTTP
+paths, as it would for any real client on this machine.
 
 Per request: TTFT (request sent -> first content delta), the gaps between
-content deltas, output tokens, prompt and cached prompt tokens (usage on
-HTTP, meta_info in-process). Per level: requests/s and output tokens/s over
-the level's wall time, TTFT and inter-token latency p50/p99, the share of
-prompt tokens cached; each figure is the median over --reps whole-level runs.
-Printed: markdown tables, HTTP/in-process ratios, the chat figures next to
-the vLLM CPU anchor, the goals; JSON in --out.
+content deltas, output tokens, prompt and cached prompt tokens (usage over
+HTTP, meta_info in-process; "n/a" where a server does not report them). Per
+level: requests/s and output tokens/s over the level's wall time, TTFT and
+inter-token latency p50/p99, the share of prompt tokens cached; each figure
+is the median over --reps whole-level runs. Printed: markdown tables,
+HTTP/in-process ratios, radixrt-over-HTTP/vLLM ratios when vLLM ran (else
+the chat figures next to the vLLM CPU anchor), the goals; JSON in --out.
 
 --soak S instead runs 64 streaming chat clients against the server for S
 seconds; a quarter of the requests close their stream after a random number
@@ -47,6 +61,7 @@ batches, a leak keeps growing).
 
 Run (one at a time, on an otherwise idle machine):
   .venv/bin/python bench/serve_bench.py [--reps 3] [--concurrency 1,8,32,64] [--workloads chat,few-shot]
+      [--paths http,inproc,vllm --vllm-python /path/to/vllm-venv/bin/python] [--conversations N]
   .venv/bin/python bench/serve_bench.py --soak 300
 """
 
@@ -54,10 +69,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -74,6 +91,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from peers_bench import hf_folder
+
 import radixrt  # noqa: E402
 from radixrt.model.gguf_cache import gguf_to_hf_folder  # noqa: E402
 from radixrt.model.loader import bundled_model_path  # noqa: E402
@@ -81,6 +100,7 @@ from radixrt.model.loader import bundled_model_path  # noqa: E402
 MAX_TOTAL_TOKENS = 65536
 CHAT_TURNS, CHAT_NEW_TOKENS, FEW_SHOT_NEW_TOKENS = 3, 32, 16
 SOAK_CLIENTS, SOAK_DISCONNECT_SHARE = 64, 0.25
+PATHS = ("http", "inproc", "vllm")
 # vLLM's OpenAI server, CPU build 0.32, prefix caching, one compute thread, bf16, same machine class:
 # streaming 3-turn chats under 3 shared system prompts, 32 tokens per answer; 57-88% of prompt tokens cached.
 VLLM_ANCHOR: dict[int, dict[str, float | None]] = {
@@ -215,7 +235,7 @@ def few_shot_workload(count: Callable[[str], int], num: int, seed: int) -> tuple
     return prefix, [_order(rng, 1)[0] + question for _ in range(num)]
 
 
-# --- the two paths -----------------------------------------------------------------------------------
+# --- the paths ---------------------------------------------------------------------------------------
 @dataclass
 class Sample:
     """One request as the client saw it."""
@@ -224,7 +244,7 @@ class Sample:
     gaps: list[float]
     output_tokens: int
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None  # None: the server does not report it
     text: str
 
 
@@ -250,7 +270,7 @@ class Timer:
             self.arrivals.append(time.perf_counter())
             self.text.append(text)
 
-    def sample(self, job: Job, output_tokens: int, prompt_tokens: int, cached_tokens: int) -> Sample:
+    def sample(self, job: Job, output_tokens: int, prompt_tokens: int, cached_tokens: int | None) -> Sample:
         if output_tokens != job.max_tokens or not self.arrivals:
             raise RuntimeError(f"expected {job.max_tokens} output tokens, got {output_tokens} "
                                f"in {len(self.arrivals)} deltas")
@@ -314,11 +334,33 @@ class HttpPath:
                 usage = event.get("usage") or usage
         if not done or usage is None:
             raise RuntimeError(f"the stream ended without {'[DONE]' if not done else 'a usage chunk'}")
-        return timer.sample(job, usage["completion_tokens"], usage["prompt_tokens"],
-                            usage["prompt_tokens_details"]["cached_tokens"])
+        return timer.sample(job, usage["completion_tokens"], usage["prompt_tokens"], self.cached_tokens(usage))
+
+    @staticmethod
+    def cached_tokens(usage: dict[str, Any]) -> int | None:
+        """radixrt reports cached tokens on every response: a missing field is an error, not "n/a"."""
+        return int(usage["prompt_tokens_details"]["cached_tokens"])
 
     async def flush(self) -> None:
         (await self.client.post("/flush_cache")).raise_for_status()
+
+
+class VllmPath(HttpPath):
+    """The same requests to vLLM's OpenAI server; it reports cached tokens only when started to."""
+
+    name = "vllm"
+
+    @staticmethod
+    def cached_tokens(usage: dict[str, Any]) -> int | None:
+        details = usage.get("prompt_tokens_details")
+        return None if details is None else int(details["cached_tokens"])
+
+    async def flush(self) -> None:
+        """POST /reset_prefix_cache (a dev endpoint); it answers success false while blocks are in use."""
+        response = await self.client.post("/reset_prefix_cache")
+        response.raise_for_status()
+        if not response.json().get("success"):
+            raise RuntimeError(f"vLLM did not reset its prefix cache: {response.text[:300]}")
 
 
 class InprocPath:
@@ -377,10 +419,11 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
 
 
-def summarize(samples: list[Sample], wall: float) -> dict[str, float]:
+def summarize(samples: list[Sample], wall: float) -> dict[str, float | None]:
     ttfts = [s.ttft for s in samples]
     gaps = [g for s in samples for g in s.gaps]
     prompt = sum(s.prompt_tokens for s in samples)
+    cached = [s.cached_tokens for s in samples]
     return {
         "wall_s": wall,
         "requests": len(samples),
@@ -391,7 +434,7 @@ def summarize(samples: list[Sample], wall: float) -> dict[str, float]:
         "itl_p50_ms": 1000 * statistics.median(gaps),
         "itl_p99_ms": 1000 * p99(gaps),
         "prompt_tokens": prompt,
-        "cached_share": sum(s.cached_tokens for s in samples) / prompt,
+        "cached_share": None if None in cached else sum(c for c in cached if c is not None) / prompt,
     }
 
 
@@ -403,35 +446,40 @@ def free_port() -> int:
 
 
 class Server:
-    """`radixrt serve` in a subprocess on a free loopback port, its output in a log file."""
+    """A server in a subprocess on a free loopback port, its output in a log file.
 
-    def __init__(self, log_path: Path):
+    The subprocess leads a process group of its own, so a server that
+    starts helpers (vLLM's engine core and worker) is stopped with all of them.
+    """
+
+    def __init__(self, name: str, command: Callable[[int], list[str]], log_path: Path,
+                 env: dict[str, str] | None = None, start_timeout_s: float = 600, stop_timeout_s: float = 60):
+        self.name = name
         self.port = free_port()
+        self.command = command(self.port)
         self.log_path = log_path
+        self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "radixrt.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--max-total-tokens", str(MAX_TOTAL_TOKENS)],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            )
+            self.process = subprocess.Popen(self.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            env=env, start_new_session=True)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def wait_ready(self, client: httpx.AsyncClient, timeout_s: float = 600) -> None:
-        deadline = time.perf_counter() + timeout_s
+    async def wait_ready(self, client: httpx.AsyncClient) -> None:
+        deadline = time.perf_counter() + self.start_timeout_s
         while time.perf_counter() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}; see {self.log_path}")
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_path}")
             try:
                 if (await client.get("/health")).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             await asyncio.sleep(0.5)
-        raise RuntimeError(f"the server was not healthy after {timeout_s:.0f} s; see {self.log_path}")
+        raise RuntimeError(f"{self.name} was not healthy after {self.start_timeout_s:.0f} s; see {self.log_path}")
 
     def rss_mib(self) -> float:
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
@@ -440,20 +488,55 @@ class Server:
         raise RuntimeError("no VmRSS line")
 
     def stop(self) -> int:
-        """SIGTERM (a graceful stop) and the exit code; a server that hangs is killed after 60 s."""
+        """SIGTERM (a graceful stop) and the exit code; a server that hangs past its stop timeout is killed,
+        and so is whatever of its process group outlives it."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(60)
+                self.process.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
         return self.process.returncode
+
+    def log_lines(self, *needles: str) -> list[str]:
+        """Lines of the server's log that contain any of `needles`."""
+        return [line for line in self.log_path.read_text(errors="replace").splitlines()
+                if any(needle in line for needle in needles)]
 
     def log_problems(self) -> list[str]:
         """Lines of the server's log that report an error or a traceback."""
-        return [line for line in self.log_path.read_text(errors="replace").splitlines()
-                if "Traceback" in line or " ERROR " in line or "Exception" in line]
+        return self.log_lines("Traceback", " ERROR ", "Exception")
+
+
+def radixrt_server(log_path: Path) -> Server:
+    return Server("radixrt serve", lambda port: [
+        sys.executable, "-m", "radixrt.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--max-total-tokens", str(MAX_TOTAL_TOKENS)], log_path)
+
+
+def kv_cache_bytes(folder: Path, num_tokens: int) -> int:
+    """Bytes of a bf16 KV cache for `num_tokens` tokens of the model in `folder`: vLLM sizes its cache in bytes,
+    radixrt in tokens."""
+    config = json.loads((folder / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return num_tokens * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
+
+
+def vllm_server(python: str, extra_args: list[str], log_path: Path) -> Server:
+    """vLLM's OpenAI server set up as peers_bench's vLLM (module docstring); VLLM_SERVER_DEV_MODE opens
+    /reset_prefix_cache. Its start-up compiles the model; its shutdown also stops its engine-core and worker
+    processes."""
+    folder = hf_folder()
+    return Server("vLLM", lambda port: [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(folder), "--dtype", "bfloat16", "--enable-prefix-caching", "--seed", "0",
+        "--kv-cache-memory-bytes", str(kv_cache_bytes(folder, MAX_TOTAL_TOKENS)),
+        "--chat-template", str(folder / "chat_template.jinja"), "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log", *extra_args], log_path,
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, start_timeout_s=900, stop_timeout_s=120)
 
 
 def http_client(base_url: str, connections: int) -> httpx.AsyncClient:
@@ -490,15 +573,17 @@ class Plan:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def plans(names: list[str], tokenizer: Any, largest: int, seed: int) -> list[Plan]:
-    """The workloads, built once for the largest level; a level uses the first `size(K)` items."""
+def plans(names: list[str], tokenizer: Any, largest: int, seed: int,
+          num_conversations: int | None = None) -> list[Plan]:
+    """The workloads, built once for the largest level; a level uses the first `size(K)` items
+    (`num_conversations` of the chat, if given)."""
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
     built: list[Plan] = []
     if "chat" in names:
         def chat_size(k: int) -> int:
-            return max(min(2 * k, 64), k, 8)
+            return num_conversations or max(min(2 * k, 64), k, 8)
 
         systems, conversations = chat_workload(count, chat_size(largest), seed)
         user = [count(q) for c in conversations for q in c.questions]
@@ -526,7 +611,7 @@ async def warm_up(path: BenchPath) -> None:
 
 async def measure(plan: Plan, k: int, paths: list[BenchPath], reps: int) -> dict[str, dict[str, Any]]:
     """One level, `reps` times per path (the order alternating), each run from a flushed cache."""
-    runs: dict[str, list[dict[str, float]]] = {path.name: [] for path in paths}
+    runs: dict[str, list[dict[str, float | None]]] = {path.name: [] for path in paths}
     for rep in range(reps):
         for path in paths if rep % 2 == 0 else paths[::-1]:
             await path.flush()
@@ -536,36 +621,73 @@ async def measure(plan: Plan, k: int, paths: list[BenchPath], reps: int) -> dict
             runs[path.name].append(figures)
             print(f"  {plan.name} K={k} rep {rep + 1} {path.name}: {figures['wall_s']:.1f} s, "
                   f"{figures['output_tokens_per_s']:.1f} tok/s, TTFT p50 {figures['ttft_p50_s']:.3f} s", flush=True)
-    return {name: {**{key: statistics.median(r[key] for r in runs_) for key in runs_[0]}, "reps": runs_}
+    return {name: {**{key: _median([r[key] for r in runs_]) for key in runs_[0]}, "reps": runs_}
             for name, runs_ in runs.items()}
+
+
+def _median(values: list[float | None]) -> float | None:
+    """The median, or None when a run lacks the figure (a server that does not report cached tokens)."""
+    return None if None in values else statistics.median(v for v in values if v is not None)
+
+
+async def open_paths(args: argparse.Namespace, connections: int, stack: contextlib.AsyncExitStack,
+                     servers: dict[str, Server]) -> list[BenchPath]:
+    """The paths named in --paths, in that order, each ready. The servers start first, in the background
+    (vLLM's takes minutes); each goes into `servers` as soon as it exists, so the caller stops it on any error."""
+    out = Path(args.out)
+    if "vllm" in args.paths:
+        servers["vllm"] = vllm_server(args.vllm_python, shlex.split(args.vllm_args), out.with_suffix(".vllm.log"))
+    if "http" in args.paths:
+        servers["http"] = radixrt_server(out.with_suffix(".server.log"))
+    opened: dict[str, BenchPath] = {}
+    if "inproc" in args.paths:
+        opened["inproc"] = InprocPath(stack.enter_context(radixrt.Runtime(max_total_tokens=MAX_TOTAL_TOKENS)))
+    for name, server in servers.items():
+        client = await stack.enter_async_context(http_client(server.url, connections))
+        await server.wait_ready(client)
+        opened[name] = VllmPath(client) if name == "vllm" else HttpPath(client)
+    return [opened[name] for name in args.paths]
+
+
+def server_report(server: Server, exit_code: int) -> dict[str, Any]:
+    report = {"command": server.command, "exit_code_after_sigterm": exit_code, "log_problems": server.log_problems()}
+    if server.name == "vLLM":  # its thread binding shows how many cores compute ("core ids=") and which it keeps
+        report["thread_binding"] = server.log_lines("VLLM_CPU_OMP_THREADS_BIND", "core ids=", "reserved_cpus=")
+    return report
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     levels = [int(k) for k in args.concurrency.split(",")]
-    workloads = plans(args.workloads.split(","), load_tokenizer(), max(levels), args.seed)
+    workloads = plans(args.workloads.split(","), load_tokenizer(), max(levels), args.seed, args.conversations)
     for plan in workloads:
         print(f"{plan.name}: {plan.info}; {plan.unit} at K = {levels}: {[plan.size(k) for k in levels]}", flush=True)
-    server = Server(Path(args.out).with_suffix(".server.log"))
+    servers: dict[str, Server] = {}
     results: dict[str, Any] = {}
+    vllm_version = None
     try:
-        with radixrt.Runtime(max_total_tokens=MAX_TOTAL_TOKENS) as runtime:
-            async with http_client(server.url, max(levels) + 8) as client:
-                await server.wait_ready(client)
-                paths: list[BenchPath] = [HttpPath(client), InprocPath(runtime)]
-                for path in paths:
-                    await warm_up(path)
-                for plan in workloads:
-                    for k in levels:
-                        for name, figures in (await measure(plan, k, paths, args.reps)).items():
-                            results.setdefault(plan.name, {}).setdefault(name, {})[str(k)] = figures
+        async with contextlib.AsyncExitStack() as stack:
+            paths = await open_paths(args, max(levels) + 8, stack, servers)
+            for path in paths:
+                await warm_up(path)
+                if isinstance(path, VllmPath):
+                    vllm_version = (await path.client.get("/version")).json()["version"]
+            for plan in workloads:
+                for k in levels:
+                    for name, figures in (await measure(plan, k, paths, args.reps)).items():
+                        results.setdefault(plan.name, {}).setdefault(name, {})[str(k)] = figures
     finally:
-        exit_code = server.stop()
-    return {
+        exit_codes = {name: server.stop() for name, server in servers.items()}
+    report = {
         "machine": machine(), "command": " ".join(sys.argv), "reps": args.reps, "concurrency": levels,
-        "max_total_tokens": MAX_TOTAL_TOKENS, "schedule": "both paths loaded; they alternate per level and rep",
+        "paths": args.paths, "max_total_tokens": MAX_TOTAL_TOKENS,
+        "schedule": "all paths loaded; they take turns per level and rep, the order reversing every rep",
         "workloads": {plan.name: plan.info for plan in workloads}, "results": results,
-        "server": {"exit_code_after_sigterm": exit_code, "log_problems": server.log_problems()},
     }
+    if "http" in servers:
+        report["server"] = server_report(servers["http"], exit_codes["http"])
+    if "vllm" in servers:
+        report["vllm_server"] = {"version": vllm_version, **server_report(servers["vllm"], exit_codes["vllm"])}
+    return report
 
 
 # --- the soak ----------------------------------------------------------------------------------------
@@ -591,7 +713,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer()
     _, conversations = chat_workload(lambda text: len(tokenizer.encode(text, add_special_tokens=False)), 256,
                                      args.seed)
-    server = Server(Path(args.out).with_suffix(".server.log"))
+    server = radixrt_server(Path(args.out).with_suffix(".server.log"))
     samples: list[Sample] = []
     errors: list[str] = []
     disconnect_errors: list[str] = []
@@ -670,7 +792,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
 
 # --- the report --------------------------------------------------------------------------------------
 def goals(results: dict[str, Any]) -> list[tuple[str, float, bool]]:
-    """The server's targets that this run's levels can answer: (goal, value, met)."""
+    """The server's targets that this run's levels can answer: (goal, value, met). The vLLM goals take vLLM's
+    figures from this run when it ran, else the anchor's."""
     found: list[tuple[str, float, bool]] = []
     for workload, paths in results.items():
         http, inproc = paths.get("http", {}), paths.get("inproc", {})
@@ -680,55 +803,103 @@ def goals(results: dict[str, Any]) -> list[tuple[str, float, bool]]:
         if "1" in http and "1" in inproc:
             added = 1000 * (http["1"]["ttft_p50_s"] - inproc["1"]["ttft_p50_s"])
             found.append((f"{workload}, K=1: TTFT p50 added by HTTP <= 5 ms", added, added <= 5))
-    chat = results.get("chat", {}).get("http", {})
-    for k, anchor in VLLM_ANCHOR.items():
-        if str(k) not in chat:
+    chat = results.get("chat", {})
+    ours = chat.get("http", {})
+    measured = chat.get("vllm")
+    reference = {int(k): figures for k, figures in measured.items()} if measured else VLLM_ANCHOR
+    whose = "vLLM's (this run)" if measured else "the vLLM anchor's"
+    for k, theirs in reference.items():
+        if str(k) not in ours:
             continue
-        ours = chat[str(k)]
+        mine = ours[str(k)]
         if k in (8, 32):
-            ratio = ours["output_tokens_per_s"] / float(anchor["output_tokens_per_s"] or 1)
-            found.append((f"chat over HTTP, K={k}: output tokens/s / vLLM's >= 1.5", ratio, ratio >= 1.5))
-        ttft = float(anchor["ttft_p50_s"] or 0)
-        found.append((f"chat over HTTP, K={k}: TTFT p50 <= vLLM's {ttft} s", ours["ttft_p50_s"],
-                      ours["ttft_p50_s"] <= ttft))
+            ratio = mine["output_tokens_per_s"] / float(theirs["output_tokens_per_s"] or 1)
+            found.append((f"chat over HTTP, K={k}: output tokens/s / {whose} >= 1.5", ratio, ratio >= 1.5))
+        ttft = float(theirs["ttft_p50_s"] or 0)
+        found.append((f"chat over HTTP, K={k}: TTFT p50 <= {whose} {ttft:.3f} s", mine["ttft_p50_s"],
+                      mine["ttft_p50_s"] <= ttft))
     return found
 
 
-def bench_tables(report: dict[str, Any]) -> str:
+def _cached(figures: dict[str, Any]) -> str:
+    share = figures["cached_share"]
+    return "n/a" if share is None else f"{100 * share:.1f}%"
+
+
+def _path_tables(report: dict[str, Any]) -> list[str]:
+    """One table per workload: every path's figures at every level."""
     lines = []
     for workload, paths in report["results"].items():
         lines += [f"### {workload}: {report['workloads'][workload]}", "",
                   ("| K | path | requests | req/s | output tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms "
                    "| prompt tokens cached |"), "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for k in report["concurrency"]:
-            for path in ("http", "inproc"):
+            for path in report["paths"]:
                 f = paths[path][str(k)]
                 lines.append(f"| {k} | {path} | {f['requests']:.0f} | {f['requests_per_s']:.2f} | "
                              f"{f['output_tokens_per_s']:.1f} | {f['ttft_p50_s']:.3f} | {f['ttft_p99_s']:.3f} | "
-                             f"{f['itl_p50_ms']:.1f} | {f['itl_p99_ms']:.1f} | {100 * f['cached_share']:.1f}% |")
+                             f"{f['itl_p50_ms']:.1f} | {f['itl_p99_ms']:.1f} | {_cached(f)} |")
         lines.append("")
-    lines += ["### HTTP against in-process", "",
-              "| workload | K | output tok/s, HTTP / in-process | TTFT p50, HTTP - in-process (ms) |",
-              "|---|---:|---:|---:|"]
+    return lines
+
+
+def _inproc_table(report: dict[str, Any]) -> list[str]:
+    lines = ["### HTTP against in-process", "",
+             "| workload | K | output tok/s, HTTP / in-process | TTFT p50, HTTP - in-process (ms) |",
+             "|---|---:|---:|---:|"]
     for workload, paths in report["results"].items():
         for k in report["concurrency"]:
             http, inproc = paths["http"][str(k)], paths["inproc"][str(k)]
             lines.append(f"| {workload} | {k} | {http['output_tokens_per_s'] / inproc['output_tokens_per_s']:.3f} | "
                          f"{1000 * (http['ttft_p50_s'] - inproc['ttft_p50_s']):+.1f} |")
+    return lines + [""]
+
+
+def _vllm_table(report: dict[str, Any]) -> list[str]:
+    """radixrt over HTTP against vLLM's server from this run, side by side, with the goals' two ratios."""
+    lines = [f"### radixrt over HTTP against vLLM {report['vllm_server']['version']} (this run)", "",
+             ("| workload | K | radixrt tok/s | vLLM tok/s | tok/s radixrt / vLLM | radixrt TTFT p50 s | vLLM TTFT p50 s "
+              "| TTFT p50 radixrt / vLLM | radixrt ITL p50 ms | vLLM ITL p50 ms | radixrt cached | vLLM cached |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for workload, paths in report["results"].items():
+        for k in report["concurrency"]:
+            ours, theirs = paths["http"][str(k)], paths["vllm"][str(k)]
+            lines.append(f"| {workload} | {k} | {ours['output_tokens_per_s']:.1f} | {theirs['output_tokens_per_s']:.1f} | "
+                         f"{ours['output_tokens_per_s'] / theirs['output_tokens_per_s']:.2f}x | "
+                         f"{ours['ttft_p50_s']:.3f} | {theirs['ttft_p50_s']:.3f} | "
+                         f"{ours['ttft_p50_s'] / theirs['ttft_p50_s']:.2f}x | {ours['itl_p50_ms']:.1f} | "
+                         f"{theirs['itl_p50_ms']:.1f} | {_cached(ours)} | {_cached(theirs)} |")
+    return lines + [""]
+
+
+def _anchor_table(report: dict[str, Any]) -> list[str]:
     chat = report["results"].get("chat", {}).get("http", {})
     anchored = [k for k in VLLM_ANCHOR if str(k) in chat]
-    if anchored:
-        lines += ["", f"### Chat over HTTP against vLLM 0.32 CPU (anchor: {VLLM_CACHED} of prompt tokens cached)", "",
-                  ("| K | radixrt tok/s | vLLM tok/s | ratio | radixrt TTFT p50 s | vLLM TTFT p50 s "
-                   "| radixrt ITL p50 ms | vLLM ITL p50 ms | radixrt cached |"), "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for k in anchored:
-            ours, theirs = chat[str(k)], VLLM_ANCHOR[k]
-            itl = "-" if theirs["itl_p50_ms"] is None else f"{theirs['itl_p50_ms']:.0f}"
-            lines.append(f"| {k} | {ours['output_tokens_per_s']:.1f} | {theirs['output_tokens_per_s']:.0f} | "
-                         f"{ours['output_tokens_per_s'] / float(theirs['output_tokens_per_s'] or 1):.2f}x | "
-                         f"{ours['ttft_p50_s']:.3f} | {theirs['ttft_p50_s']:.2f} | {ours['itl_p50_ms']:.1f} | {itl} | "
-                         f"{100 * ours['cached_share']:.1f}% |")
-    lines += ["", "### Goals", "", "| goal | value | met |", "|---|---:|---|"]
+    if not anchored:
+        return []
+    lines = [f"### Chat over HTTP against vLLM 0.32 CPU (anchor: {VLLM_CACHED} of prompt tokens cached)", "",
+             ("| K | radixrt tok/s | vLLM tok/s | ratio | radixrt TTFT p50 s | vLLM TTFT p50 s "
+              "| radixrt ITL p50 ms | vLLM ITL p50 ms | radixrt cached |"), "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for k in anchored:
+        ours, theirs = chat[str(k)], VLLM_ANCHOR[k]
+        itl = "-" if theirs["itl_p50_ms"] is None else f"{theirs['itl_p50_ms']:.0f}"
+        lines.append(f"| {k} | {ours['output_tokens_per_s']:.1f} | {theirs['output_tokens_per_s']:.0f} | "
+                     f"{ours['output_tokens_per_s'] / float(theirs['output_tokens_per_s'] or 1):.2f}x | "
+                     f"{ours['ttft_p50_s']:.3f} | {theirs['ttft_p50_s']:.2f} | {ours['itl_p50_ms']:.1f} | {itl} | "
+                     f"{_cached(ours)} |")
+    return lines + [""]
+
+
+def bench_tables(report: dict[str, Any]) -> str:
+    """Markdown: the paths' figures, then the comparisons this run's paths allow, then the goals."""
+    lines = _path_tables(report)
+    if {"http", "inproc"} <= set(report["paths"]):
+        lines += _inproc_table(report)
+    if {"http", "vllm"} <= set(report["paths"]):
+        lines += _vllm_table(report)
+    elif "http" in report["paths"]:
+        lines += _anchor_table(report)
+    lines += ["### Goals", "", "| goal | value | met |", "|---|---:|---|"]
     lines += [f"| {goal} | {value:.3f} | {'yes' if met else 'no'} |" for goal, value, met in report["goals"]]
     return "\n".join(lines)
 
@@ -764,6 +935,13 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3, help="whole-level runs per path; figures are their medians")
     parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated client counts")
     parser.add_argument("--workloads", default="chat,few-shot", help="chat, few-shot or both")
+    parser.add_argument("--paths", help=f"comma-separated, from {', '.join(PATHS)} (default http,inproc, "
+                                        "and vllm with --vllm-python); the soak runs http only")
+    parser.add_argument("--vllm-python", metavar="PATH",
+                        help="the python of the venv vLLM's CPU build is installed in: adds the vllm path")
+    parser.add_argument("--vllm-args", default="", help="more arguments for vLLM's server, e.g. '--block-size 32'")
+    parser.add_argument("--conversations", type=int, metavar="N",
+                        help="chat conversations per level (default max(min(2K, 64), K, 8))")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--soak", type=float, default=0, metavar="SECONDS", help="run the soak instead")
     parser.add_argument("--out", help="JSON report (default bench/results/serve_bench.json, or serve_soak.json)")
@@ -771,6 +949,13 @@ def main() -> int:
     unknown = set(args.workloads.split(",")) - {"chat", "few-shot"}
     if unknown:
         parser.error(f"unknown workload(s) {sorted(unknown)}: choose chat, few-shot or both")
+    args.paths = (args.paths or ("http,inproc,vllm" if args.vllm_python else "http,inproc")).split(",")
+    if set(args.paths) - set(PATHS) or len(set(args.paths)) != len(args.paths):
+        parser.error(f"--paths must name some of {', '.join(PATHS)} once each, got {args.paths}")
+    if "vllm" in args.paths and not args.vllm_python:
+        parser.error("the vllm path needs --vllm-python (vLLM pins its own torch, so it lives in a venv of its own)")
+    if args.conversations is not None and args.conversations < 1:
+        parser.error(f"--conversations must be >= 1, got {args.conversations}")
     args.out = args.out or str(ROOT / "bench" / "results" / ("serve_soak.json" if args.soak else "serve_bench.json"))
     if args.soak:
         report = asyncio.run(soak(args))
@@ -782,7 +967,10 @@ def main() -> int:
     print(f"\n{report['machine']}\n{text}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"\nJSON: {args.out}; server log: {Path(args.out).with_suffix('.server.log')}")
+    suffixes = {"http": ".server.log", "vllm": ".vllm.log"}
+    logs = [str(Path(args.out).with_suffix(suffixes[path])) for path in (["http"] if args.soak else args.paths)
+            if path in suffixes]
+    print(f"\nJSON: {args.out}; server logs: {', '.join(logs)}")
     return 0
 
 

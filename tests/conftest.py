@@ -70,6 +70,9 @@ _CONFIG_CLASSES = {
     "qwen2": transformers.Qwen2Config,
     "mistral": transformers.MistralConfig,
     "qwen3": transformers.Qwen3Config,
+    "gemma2": transformers.Gemma2Config,
+    "gemma3_text": transformers.Gemma3TextConfig,
+    "phi3": transformers.Phi3Config,
 }
 
 

@@ -121,3 +121,37 @@ def test_rms_norm_is_transformers_rms_norm_up_to_summation_order(rows):
         assert torch.equal(norm(total[-1:].clone(), reference.weight, 1e-5), expected[-1:])
     with pytest.raises(ValueError, match="contiguous"):
         norm(torch.cat([hidden, hidden], dim=1)[:, ::2], reference.weight, 1e-5)
+
+
+@needs_kernel
+def test_kv_store_writes_rows_into_their_slots_like_indexed_assignment():
+    store = cpu.kv_store()
+    assert store is not None
+    k_pool, v_pool = torch.zeros(40, 3, 16).bfloat16(), torch.zeros(40, 3, 16).bfloat16()
+    qkv = torch.randn(5, 9, 16).bfloat16()  # k and v are strided head slices of a fused row, as in the model
+    k, v = qkv[:, 3:6], qkv[:, 6:9]
+    slots = torch.tensor([7, 0, 39, 12, 13])
+    assert store.takes(k, slots) and store.takes(v, slots)
+    store(k, v, slots, k_pool, v_pool)
+    expected_k, expected_v = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+    expected_k[slots], expected_v[slots] = k, v
+    assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
+    with pytest.raises(IndexError, match="outside the pool"):
+        store(k[:2], v[:2], torch.tensor([3, 40]), k_pool, v_pool)
+    assert not k_pool[3].any(), "a bad slot writes nothing"
+    assert not store.takes(k.float(), slots) and not store.takes(k, slots.int())
+
+
+@needs_kernel
+def test_backend_stores_bfloat16_rows_through_the_c_copy():
+    from radixrt.kernels.forward_batch import ForwardBatch
+    from radixrt.memory import KVCache
+    from radixrt.memory.kv_cache import KVShape
+
+    cache = KVCache(KVShape(1, 2, 16, torch.bfloat16), 32)
+    backend = create_backend("torch", cache, 4, 2, 16)
+    assert backend._store_rows is not None
+    batch = ForwardBatch.build([[1, 2, 3]], [0], [torch.tensor([9, 4, 20])])
+    q, k, v = (torch.randn(3, heads, 16).bfloat16() for heads in (4, 2, 2))
+    backend.forward(q, k, v, 0, batch, backend.plan(batch))
+    assert torch.equal(cache.k[0][[9, 4, 20]], k) and torch.equal(cache.v[0][[9, 4, 20]], v)

@@ -5,6 +5,9 @@ page sizes 1 and 16, bf16 and fp16, GQA ratios 1/3/4/8, head_dim 64 and 128,
 with every sequence's pages scattered over the pool. Every check also compares
 with the torch reference backend.
 
+Every path also runs with sliding windows, a softmax scale and score
+soft-capping (`LayerAttention`).
+
 On the CPU: the triton kernels under the Triton interpreter (in a subprocess,
 because TRITON_INTERPRET must be set before the kernels are decorated), and
 the flashinfer backend's page tables and row routing through a fake
@@ -26,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixrt.kernels.base import FULL_ATTENTION, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.torch_backend import TorchAttentionBackend
 from radixrt.memory.kv_cache import KVCache, KVShape
@@ -90,7 +94,7 @@ def make_case(
     return Case(cache, batch, rand(num_q_heads), rand(num_kv_heads), rand(num_kv_heads), 1, num_q_heads)
 
 
-def reference_attention(case: Case) -> torch.Tensor:
+def reference_attention(case: Case, attention: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
     """Per-sequence softmax attention in fp32, from a copy of the pool with the new K/V stored."""
     b, dtype = case.batch, case.cache.shape.dtype
     pool_k = case.cache.k[case.layer].float().cpu()
@@ -100,7 +104,7 @@ def reference_attention(case: Case) -> torch.Tensor:
     pool_v[out_slots] = case.v.to(dtype).float().cpu()
     q = case.q.to(dtype).float().cpu()
     group = case.num_q_heads // case.cache.shape.num_kv_heads
-    scale = case.cache.shape.head_dim**-0.5
+    scale = attention.scale or case.cache.shape.head_dim**-0.5
     kv_indices = b.kv_indices.cpu()
     out = torch.empty_like(q)
     for i, (prefix, extend) in enumerate(zip(b.prefix_lens, b.extend_lens)):
@@ -109,18 +113,25 @@ def reference_attention(case: Case) -> torch.Tensor:
         values = pool_v[slots].repeat_interleave(group, dim=1)
         rows = slice(int(b.qo_indptr[i]), int(b.qo_indptr[i + 1]))
         scores = torch.einsum("ehd,shd->hes", q[rows], keys) * scale
-        visible = torch.arange(prefix + extend)[None, :] <= prefix + torch.arange(extend)[:, None]
+        if attention.logit_softcap is not None:
+            scores = torch.tanh(scores / attention.logit_softcap) * attention.logit_softcap
+        position = prefix + torch.arange(extend)[:, None]
+        visible = torch.arange(prefix + extend)[None, :] <= position
+        if attention.sliding_window is not None:
+            visible &= torch.arange(prefix + extend)[None, :] > position - attention.sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[rows] = torch.einsum("hes,shd->ehd", scores.softmax(-1), values)
     return out
 
 
-def check_backend(backend_cls: type, case: Case, page_size: int, **kwargs: object) -> torch.Tensor:
+def check_backend(
+    backend_cls: type, case: Case, page_size: int, attention: LayerAttention = FULL_ATTENTION, **kwargs: object
+) -> torch.Tensor:
     """Run one layer through the backend; check the store and the output; return the output."""
-    expected = reference_attention(case)
+    expected = reference_attention(case, attention)
     cache = case.cache
     backend = backend_cls(cache, case.num_q_heads, cache.shape.num_kv_heads, cache.shape.head_dim, page_size, **kwargs)
-    plan = backend.plan(case.batch)
+    plan = backend.plan(case.batch, attention)
     out = backend.forward(case.q, case.k, case.v, case.layer, case.batch, plan)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     slots = case.batch.out_slots
@@ -130,7 +141,7 @@ def check_backend(backend_cls: type, case: Case, page_size: int, **kwargs: objec
     torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
     # The pool already holds this step's K/V; the torch backend stores the same values again.
     twin = TorchAttentionBackend(cache, case.num_q_heads, cache.shape.num_kv_heads, cache.shape.head_dim, page_size)
-    torch_out = twin.forward(case.q, case.k, case.v, case.layer, case.batch, twin.plan(case.batch))
+    torch_out = twin.forward(case.q, case.k, case.v, case.layer, case.batch, twin.plan(case.batch, attention))
     torch.testing.assert_close(out.float(), torch_out.float(), atol=tol, rtol=tol)
     return out
 
@@ -176,6 +187,17 @@ def test_pure_batches_on_gpu(backend: str, specs: list, page_size: int) -> None:
     check_backend(backend_class(backend), case, page_size)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("backend", gpu_backend_params())
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("attention", [LayerAttention(sliding_window=100), LayerAttention(33, 0.0625, 50.0)],
+                         ids=["window", "window-scale-softcap"])  # fmt: skip
+def test_layer_attention_on_gpu(backend: str, page_size: int, attention: LayerAttention) -> None:
+    case = make_case(MIXED, page_size, 16, 4, 128, torch.bfloat16, "cuda", seed=2)
+    check_backend(backend_class(backend), case, page_size, attention)
+
+
 # ---------------------------------------------------------------- CPU: triton interpreter
 
 # (page_size, dtype, num_q_heads, num_kv_heads, head_dim); head_dim 24 checks
@@ -188,6 +210,8 @@ INTERPRETER_CONFIGS = [
     for hq, hkv, d in ((4, 4, 16), (6, 2, 32), (8, 1, 24))
 ]
 INTERPRETER_SPECS = [(0, 5), (7, 1), (20, 3), (0, 1), (150, 1), (10, 70), (65, 3), (130, 2)]
+# Windows shorter than a tile and spanning several; a scale and score cap as Gemma 2's.
+INTERPRETER_ATTENTIONS = [LayerAttention(sliding_window=9), LayerAttention(70, scale=0.3, logit_softcap=4.0)]
 
 
 def run_interpreter_cases() -> None:
@@ -200,6 +224,12 @@ def run_interpreter_cases() -> None:
         for specs in (INTERPRETER_SPECS, [(3, 1), (40, 1)], [(0, 9), (12, 4)]):
             check_backend(TritonAttentionBackend, make_case(specs, page_size, hq, hkv, d, dtype, "cpu"), page_size)
         print(f"ok {config} {time.perf_counter() - start:.1f}s", flush=True)
+    for config in (INTERPRETER_CONFIGS[1], INTERPRETER_CONFIGS[-1]):
+        page_size, dtype, hq, hkv, d = config
+        for attention in INTERPRETER_ATTENTIONS:
+            case = make_case(INTERPRETER_SPECS, page_size, hq, hkv, d, dtype, "cpu")
+            check_backend(TritonAttentionBackend, case, page_size, attention)
+            print(f"ok {config} {attention}", flush=True)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -220,12 +250,14 @@ _AOT_POINTERS = {
     **dict.fromkeys(["q_rows", "kv_starts", "seq_lens", "q_starts", "extend_lens", "prefix_lens"], "*i32"),
 }  # fmt: skip
 _AOT_TENSORS = {"Q", "K_cache", "V_cache", "K_new", "V_new", "Out"}
+_AOT_FLOATS = {"qk_scale", "cap_log2"}
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="kernels are interpreted, not compiled")
 @pytest.mark.parametrize("config", AOT_CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-gqa{c[2]}")
-def test_triton_kernels_compile_for_hopper(config: tuple) -> None:
+@pytest.mark.parametrize("softcap", [False, True], ids=["plain", "softcap"])
+def test_triton_kernels_compile_for_hopper(config: tuple, softcap: bool) -> None:
     """Compile every kernel down to a cubin for sm_90 with Triton's compiler and the
     ptxas its wheel ships, no GPU needed: this catches what the interpreter lets
     through (types, tl.dot shapes, loop-carried values, shared memory)."""
@@ -240,12 +272,12 @@ def test_triton_kernels_compile_for_hopper(config: tuple) -> None:
 
     dtype, head_dim, group = config
     element = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    for kernel, launch in launch_configs(dtype, head_dim, group):
+    for kernel, launch in launch_configs(dtype, head_dim, group, softcap):
         constexprs = {k: v for k, v in launch.items() if k not in ("num_warps", "num_stages")}
         signature = {
             name: "constexpr" if name in constexprs
             else f"*{element}" if name in _AOT_TENSORS
-            else _AOT_POINTERS.get(name, "fp32" if name == "qk_scale_log2" else "i32")
+            else _AOT_POINTERS.get(name, "fp32" if name in _AOT_FLOATS else "i32")
             for name in kernel.arg_names
         }  # fmt: skip
         compiled = triton.compile(
@@ -285,14 +317,16 @@ class _FakePagedWrapper:
         self.plan_args: dict | None = None
 
     def _plan(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-              causal, sm_scale, q_data_type, kv_data_type, pos_encoding_mode):  # fmt: skip
+              causal, sm_scale, q_data_type, kv_data_type, pos_encoding_mode, window_left,
+              logits_soft_cap):  # fmt: skip
         for t in (qo_indptr, indptr, indices, last_page_len):
             assert t.dtype == torch.int32
         assert pos_encoding_mode == "NONE" and q_data_type == kv_data_type
         assert int(last_page_len.min()) >= 1 and int(last_page_len.max()) <= page_size
         self.plan_args = dict(qo_indptr=qo_indptr.cpu(), indptr=indptr.cpu(), indices=indices.cpu(),
                               last_page_len=last_page_len.cpu(), page_size=page_size, causal=causal,
-                              sm_scale=sm_scale, dtype=q_data_type, group=num_qo_heads // num_kv_heads)  # fmt: skip
+                              sm_scale=sm_scale, dtype=q_data_type, group=num_qo_heads // num_kv_heads,
+                              window_left=window_left, logits_soft_cap=logits_soft_cap)  # fmt: skip
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         a = self.plan_args
@@ -308,27 +342,37 @@ class _FakePagedWrapper:
             rows = slice(int(a["qo_indptr"][i]), int(a["qo_indptr"][i + 1]))
             qo_len = rows.stop - rows.start
             scores = torch.einsum("ehd,shd->hes", q[rows].float(), keys) * a["sm_scale"]
-            if a["causal"]:  # aligned bottom-right: row j sees kv positions <= j + kv_len - qo_len
-                visible = torch.arange(kv_len)[None, :] <= torch.arange(qo_len)[:, None] + kv_len - qo_len
-                scores = scores.masked_fill(~visible, float("-inf"))
+            if a["logits_soft_cap"]:
+                scores = torch.tanh(scores / a["logits_soft_cap"]) * a["logits_soft_cap"]
+            # aligned bottom-right: row j is at kv position j + kv_len - qo_len (a decode: kv_len - 1)
+            position = torch.arange(qo_len)[:, None] + kv_len - qo_len
+            visible = torch.ones(qo_len, kv_len, dtype=torch.bool)
+            if a["causal"]:
+                visible &= torch.arange(kv_len)[None, :] <= position
+            if a["window_left"] >= 0:  # and the window_left keys before it
+                visible &= torch.arange(kv_len)[None, :] >= position - a["window_left"]
+            scores = scores.masked_fill(~visible, float("-inf"))
             out[rows] = torch.einsum("hes,shd->ehd", scores.softmax(-1), values).to(q.dtype)
         return out
 
 
 class _FakePrefillWrapper(_FakePagedWrapper):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
-             head_dim_qk, page_size, *, causal=False, pos_encoding_mode="NONE", sm_scale=None,
-             q_data_type="float16", kv_data_type=None) -> None:  # fmt: skip
+             head_dim_qk, page_size, *, causal=False, pos_encoding_mode="NONE", sm_scale=None, window_left=-1,
+             logits_soft_cap=None, q_data_type="float16", kv_data_type=None) -> None:  # fmt: skip
         self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
-                   head_dim_qk, page_size, causal, sm_scale, q_data_type, kv_data_type, pos_encoding_mode)  # fmt: skip
+                   head_dim_qk, page_size, causal, sm_scale, q_data_type, kv_data_type, pos_encoding_mode,
+                   window_left, logits_soft_cap)  # fmt: skip
 
 
 class _FakeDecodeWrapper(_FakePagedWrapper):
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-             pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16", kv_data_type=None) -> None:  # fmt: skip
+             pos_encoding_mode="NONE", sm_scale=None, window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None) -> None:  # fmt: skip
         qo_indptr = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
         self._plan(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                   False, sm_scale, q_data_type, kv_data_type, pos_encoding_mode)  # fmt: skip
+                   False, sm_scale, q_data_type, kv_data_type, pos_encoding_mode, window_left,
+                   logits_soft_cap)  # fmt: skip
 
 
 @pytest.mark.parametrize("specs", [MIXED, DECODE_ONLY, EXTEND_ONLY], ids=["mixed", "decode_only", "extend_only"])
@@ -345,3 +389,20 @@ def test_flashinfer_backend_routing_with_fake_flashinfer(
 
     case = make_case(specs, page_size, heads[0], heads[1], 64, torch.float16, "cpu", seed=3)
     check_backend(FlashInferAttentionBackend, case, page_size, workspace_bytes=4 * 1024 * 1024)
+
+
+@pytest.mark.parametrize("attention", [LayerAttention(sliding_window=9), LayerAttention(70, 0.3, 4.0)],
+                         ids=["window", "window-scale-softcap"])  # fmt: skip
+def test_flashinfer_backend_layer_attention_with_fake_flashinfer(
+    monkeypatch: pytest.MonkeyPatch, attention: LayerAttention
+) -> None:
+    """Windows, scales and score caps reach the wrappers' plan options (the fake applies them
+    as FlashInfer documents); each LayerAttention plans its own wrappers."""
+    fake = types.ModuleType("flashinfer")
+    fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefillWrapper
+    fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecodeWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    from radixrt.kernels.flashinfer_backend import FlashInferAttentionBackend
+
+    case = make_case(MIXED, 16, 6, 2, 64, torch.float16, "cpu", seed=3)
+    check_backend(FlashInferAttentionBackend, case, 16, attention, workspace_bytes=4 * 1024 * 1024)

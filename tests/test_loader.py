@@ -61,7 +61,7 @@ def test_gguf_without_tokenizer_or_unsupported_architecture(tmp_path, monkeypatc
     monkeypatch.setenv(gguf_cache.CACHE_ENV_VAR, str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="no tokenizer data"):
         load_model(write_gguf(tmp_path / "notok.gguf", tokenizer=False))
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'; supported: llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'; supported: .*llama, mistral, .*qwen2"):
         load_model(write_gguf(tmp_path / "gpt2.gguf", architecture="gpt2"))
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 

@@ -160,16 +160,6 @@ def test_greedy_smollm2_matches_transformers(smollm2, smollm2_hf, make_runner, p
     assert paged_greedy(runner, pool, prompts, 32) == hf_greedy(smollm2_hf, prompts, 32, batched=True)
 
 
-def test_sliding_window_longer_than_context_is_refused(make_tiny_hf_model, make_runner):
-    hf_model = make_tiny_hf_model("mistral", sliding_window=16)
-    model = ours_from(hf_model)
-    assert model.config.context_len == 16
-    runner, pool = make_runner(model, num_pages=64)
-    runner.forward(ForwardBatch.build([list(range(16))], [0], [pool.alloc(16)]))
-    with pytest.raises(ValueError, match="sliding_window"):
-        runner.forward(ForwardBatch.build([list(range(17))], [0], [pool.alloc(17)]))
-
-
 def test_config_reads_transformers4_spelling():
     hf4 = SimpleNamespace(
         architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=128,

@@ -1,10 +1,14 @@
-"""Qwen3 and the rope scaling types against transformers, end to end (fp32, CPU).
+"""Qwen3, Gemma 2/3, Phi-3, sliding windows and the rope scaling types against transformers,
+end to end (fp32, CPU).
 
 Each family is a tiny random-weight checkpoint (2 layers, hidden 64, GQA)
 saved with `save_pretrained` and loaded from its folder. Logits: max
 |ours - transformers| <= 1e-4 * max(1, max |transformers logit|). Greedy
 tokens through `radixrt.Runtime` must equal transformers' `generate`, for
-prompts sharing a prefix, with the cache cold and warm, pages of 1 and 16.
+prompts sharing a prefix, with the cache cold and warm, pages of 1 and 16,
+and shared-prefix attention on (a low `shared_prefix_min_tokens`). The
+windowed families use windows of 8-24 tokens: the prompts (17-21 tokens) and
+their outputs run past them.
 
 "dynamic" and "longrope" agree with transformers only where transformers'
 choice of frequencies does not depend on the batch: sequences within the
@@ -38,6 +42,14 @@ LONGROPE = dict(
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)
 LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=32)  # fmt: skip
+# Phi-4-mini's shape: longrope over the leading 3/4 of each head (24 of 32 dims: 12 factors each)
+PHI_LONGROPE = dict(LONGROPE, partial_rotary_factor=0.75, short_factor=LONGROPE["short_factor"][:12],
+                    long_factor=LONGROPE["long_factor"][:12])  # fmt: skip
+# Phi-3's own config check reads head_dim as hidden_size // heads: keep the two equal
+PHI = dict(SMALL, num_attention_heads=2, num_key_value_heads=1, head_dim=32, pad_token_id=0)
+GEMMA = dict(SMALL, head_dim=32, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"])
+GEMMA3_ROPE = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+               "full_attention": dict(rope_type="linear", rope_theta=1e6, factor=2.0)}  # fmt: skip
 
 # name -> (architecture, config overrides), 2 layers (the factory's default). Prompts plus
 # outputs (at most 30 tokens) stay within the trained length: 32 for longrope, 128 for dynamic.
@@ -55,6 +67,15 @@ FAMILIES = {
     "qwen3-linear": ("qwen3", dict(SMALL, head_dim=32, rope_parameters=dict(
         rope_type="linear", rope_theta=10000.0, factor=2.0))),
     "llama-llama3": ("llama", dict(SMALL, head_dim=32, rope_parameters=LLAMA3)),
+    "mistral-window": ("mistral", dict(SMALL, head_dim=32, sliding_window=8)),
+    # layer 0 full, layer 1 sliding
+    "qwen2-window": ("qwen2", dict(SMALL, head_dim=32, use_sliding_window=True, sliding_window=12,
+                                   max_window_layers=1)),
+    "gemma2": ("gemma2", dict(GEMMA, sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("gemma3_text", dict(GEMMA, sliding_window=24, rope_parameters=GEMMA3_ROPE)),
+    "phi3": ("phi3", PHI),
+    "phi3-window": ("phi3", dict(PHI, sliding_window=8)),
+    "phi3-longrope-partial": ("phi3", dict(PHI, max_position_embeddings=128, rope_parameters=PHI_LONGROPE)),
 }  # fmt: skip
 
 PREFIX = list(range(3, 19))
@@ -90,8 +111,13 @@ def hf_generate(hf_model: transformers.PreTrainedModel, prompt: list[int], max_n
 def test_logits_match_transformers(family, tmp_path, make_tiny_hf_model, tiny_tokenizer, make_runner):
     hf_model = save_family(family, tmp_path, make_tiny_hf_model, tiny_tokenizer)
     model = load_model(tmp_path, dtype="float32").model
-    assert torch.equal(model.rope.inv_freq, hf_model.model.rotary_emb.inv_freq)
-    assert model.rope.attention_scaling == hf_model.model.rotary_emb.attention_scaling
+    hf_rope = hf_model.model.rotary_emb
+    if model.local_rope is None:
+        assert torch.equal(model.rope.inv_freq, hf_rope.inv_freq)
+        assert model.rope.attention_scaling == hf_rope.attention_scaling
+    else:  # Gemma 3: one table per layer type
+        assert torch.equal(model.rope.inv_freq, hf_rope.full_attention_inv_freq)
+        assert torch.equal(model.local_rope.inv_freq, hf_rope.sliding_attention_inv_freq)
     runner, pool = make_runner(model, num_pages=256)
     ids = torch.randint(0, hf_model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -106,7 +132,8 @@ def test_greedy_tokens_match_generate(family, tmp_path, make_tiny_hf_model, tiny
     expected = [hf_generate(hf_model, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
     params = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     for page_size in (1, 16):
-        config = dict(dtype="float32", page_size=page_size, max_total_tokens=2048, check_invariants=True)
+        config = dict(dtype="float32", page_size=page_size, max_total_tokens=2048, check_invariants=True,
+                      shared_prefix_min_tokens=8)  # fmt: skip
         with radixrt.Runtime(tmp_path, **config) as rt:
             cold = [out["output_ids"] for out in rt.generate(input_ids=PROMPTS, sampling_params=params)]
             cached_before = rt.cache_stats()["cached_prompt_tokens"]
@@ -197,15 +224,21 @@ def test_qwen3_config_fields(make_tiny_hf_model):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(architectures=["Gemma2ForCausalLM"]), "supported: LlamaForCausalLM, .*Qwen3ForCausalLM"),
-        (dict(architectures=None, model_type="gemma2"), "model_type 'gemma2'; supported: llama, mistral, qwen2, qwen3"),
+        (dict(architectures=["MixtralForCausalLM"]), "supported: LlamaForCausalLM, .*Qwen3ForCausalLM, "
+         "Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM"),
+        (dict(architectures=None, model_type="gemma"), "model_type 'gemma'; supported: llama, mistral, qwen2, qwen3, "
+         "gemma2, gemma3_text, phi3"),
+        (dict(layer_types=["chunked_attention", "full_attention"]), r"layer_types \['chunked_attention'\]"),
         (dict(rope_parameters={"rope_type": "mrope", "rope_theta": 1e4}),
          "rope_type 'mrope'; supported: default, linear, dynamic, yarn, longrope, llama3"),
         (dict(rope_parameters=dict(YARN, mrope_section=[8, 8])), r"yarn rope parameters \['mrope_section'\]"),
         (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), "per-layer rope parameters"),
-        (dict(rope_parameters=dict(LONGROPE, long_factor=[1.0] * 4)), "long_factor must have head_dim // 2 = 16"),
+        (dict(rope_parameters=dict(LONGROPE, long_factor=[1.0] * 4)), "long_factor must have rotary_dim // 2 = 16"),
+        (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.3}), "partial_rotary_factor"),
         (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), "dynamic rope scaling needs a 'factor'"),
         (dict(hidden_act="gelu"), "hidden_act must be 'silu'"),
+        (dict(quantization_config={"quant_method": "awq", "bits": 4}), "quantization_config 'awq'"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ],
 )  # fmt: skip
 def test_unsupported_configs_are_refused_early(change, message, make_tiny_hf_model):
@@ -213,4 +246,17 @@ def test_unsupported_configs_are_refused_early(change, message, make_tiny_hf_mod
     for key, value in change.items():
         setattr(hf_config, key, value)
     with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(hf_config)
+
+
+def test_gemma_config_fields_and_activation(make_tiny_hf_model):
+    config = ModelConfig.from_hf(make_tiny_hf_model("gemma2", **FAMILIES["gemma2"][1]).config)
+    assert config.is_gemma and config.hidden_act == "gelu_pytorch_tanh" and config.query_pre_attn_scalar == 24
+    assert [config.layer_window(i) for i in range(2)] == [8, None]
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (5.0, 3.0)
+    gemma3 = ModelConfig.from_hf(make_tiny_hf_model("gemma3_text", **FAMILIES["gemma3"][1]).config)
+    assert gemma3.qk_norm and gemma3.local_rope_theta == 10000.0 and gemma3.rope_theta == 1e6
+    hf_config = make_tiny_hf_model("gemma2", **GEMMA).config
+    hf_config.hidden_activation = "gelu"
+    with pytest.raises(ValueError, match="hidden_activation must be 'gelu_pytorch_tanh'"):
         ModelConfig.from_hf(hf_config)

@@ -125,7 +125,7 @@ def test_native_model_is_cached_and_close_to_dense():
         cache = KVCache(config.kv_shape(torch.bfloat16), 64)
         backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim)
         with torch.inference_mode():
-            hidden = loaded.model.forward(batch, backend, backend.plan(batch))
+            hidden = loaded.model.forward(batch, backend, loaded.model.plan_attention(batch, backend))
             logits[label] = loaded.model.compute_logits(hidden[-1:]).log_softmax(-1)[0]
     best = int(logits["dense"].argmax())
     # The dense model rounds each weight to bf16, the native one does not: the dense model's

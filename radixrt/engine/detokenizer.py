@@ -26,6 +26,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from radixrt.model.tokenizer import Tokenizer as RecordedTokenizer
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
@@ -70,12 +72,14 @@ def make_detokenizer(
 
 
 def _rust_tokenizer(tokenizer: TokenDecoder) -> Tokenizer | None:
-    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer, or None.
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer (or our `Tokenizer`), or None.
 
     None as well for subclasses that override decoding (whisper, marian, ...):
     their text is more than the Rust decode. Looking the class up in
     `sys.modules` avoids importing transformers for a tokenizer that is not one.
     """
+    if isinstance(tokenizer, RecordedTokenizer):  # its decode is the Rust decode
+        return tokenizer.backend_tokenizer
     module = sys.modules.get("transformers.tokenization_utils_tokenizers")
     fast_class = getattr(module, "TokenizersBackend", None)
     if fast_class is None or not isinstance(tokenizer, fast_class):

@@ -6,20 +6,54 @@ new tokens' K/V into the pool at `batch.out_slots` (here, once for every
 backend), then the backend's `attend` runs each sequence's new queries over
 its whole `kv_slots` (prefix + new) with the causal mask offset by its prefix
 length: new token j of a sequence with prefix p sees positions 0 .. p + j.
+
+How a layer attends (its sliding window, softmax scale, score soft-capping)
+is a `LayerAttention`; a model whose layers differ plans once per distinct
+`LayerAttention` and hands each layer its own plan.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
 
-from radixrt.kernels import DEFAULT_SHARED_PREFIX_MIN_TOKENS
+from radixrt.kernels import DEFAULT_SHARED_PREFIX_MIN_TOKENS, cpu
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.memory.kv_cache import KVCache
 
 PlanT = TypeVar("PlanT")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What differs between the attention of two layers, beyond their K/V.
+
+    `sliding_window`: a query at position i sees only the keys at positions
+    i - sliding_window + 1 .. i (itself and the window - 1 before it);
+    None: every earlier key. `scale`: the softmax scale (None: head_dim**-0.5).
+    `logit_softcap`: scores become cap * tanh(score / cap) before the mask
+    (Gemma 2); None: no capping.
+    """
+
+    sliding_window: int | None = None
+    scale: float | None = None
+    logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be > 0 or None, got {self.logit_softcap}")
+
+    def first_visible_key(self, position: int) -> int:
+        """The oldest key position a query at `position` attends."""
+        return 0 if self.sliding_window is None else max(0, position - self.sliding_window + 1)
+
+
+FULL_ATTENTION = LayerAttention()
 
 
 class AttentionBackend(ABC, Generic[PlanT]):
@@ -56,6 +90,9 @@ class AttentionBackend(ABC, Generic[PlanT]):
         if shared_prefix_min_tokens < 1:
             raise ValueError(f"shared_prefix_min_tokens must be >= 1, got {shared_prefix_min_tokens}")
         self.kv_cache = kv_cache
+        # bf16 on the CPU: radixrt's C copy, one call a layer instead of two indexed assignments
+        on_cpu_bf16 = kv_cache.device.type == "cpu" and kv_cache.shape.dtype == torch.bfloat16
+        self._store_rows = cpu.kv_store() if on_cpu_bf16 else None
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -74,8 +111,12 @@ class AttentionBackend(ABC, Generic[PlanT]):
             raise ValueError(f"kv_cache dtype must be one of {supported}, got {self.kv_cache.shape.dtype}")
 
     @abstractmethod
-    def plan(self, batch: ForwardBatch) -> PlanT:
-        """Build this step's metadata once (index arrays, kernel plans)."""
+    def plan(self, batch: ForwardBatch, attention: LayerAttention = FULL_ATTENTION) -> PlanT:
+        """Build this step's metadata once (index arrays, kernel plans) for layers attending as
+        `attention` says."""
+
+    def softmax_scale(self, attention: LayerAttention) -> float:
+        return self.scale if attention.scale is None else attention.scale
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, plan: PlanT
@@ -85,7 +126,11 @@ class AttentionBackend(ABC, Generic[PlanT]):
         The new K/V enter the pool first, so `attend` reads every key, new or
         cached, from one place.
         """
-        self.kv_cache.store(layer, batch.out_slots, k, v)
+        slots, store = batch.out_slots, self._store_rows
+        if store is not None and store.takes(k, slots) and store.takes(v, slots):
+            store(k, v, slots, self.kv_cache.k[layer], self.kv_cache.v[layer])
+        else:
+            self.kv_cache.store(layer, slots, k, v)
         return self.attend(q, k, v, layer, batch, plan)
 
     @abstractmethod

@@ -16,6 +16,13 @@ read from its wheel's `flashinfer/prefill.py` and `flashinfer/decode.py`:
   q_data_type, kv_data_type, ...)` (options after page_size are keyword-only in
   0.7: passing them positionally is deprecated), `.run(q, (k_cache, v_cache))`.
 
+A sliding window and a score cap are the wrappers' `window_left` (the keys
+before the query it also sees: window - 1) and `logits_soft_cap` plan options;
+`sm_scale` takes the layer's scale. The wrappers keep their plan, so each
+distinct `LayerAttention` of a model gets its own pair of wrappers (made on
+first use); they share the workspace halves, which only hold scratch while a
+wrapper runs, and the layers of a step run one after another.
+
 The pool is FlashInfer's "NHD" paged layout already: `k[layer]` viewed as
 [num_pages, page_size, H, D]. A sequence's page list is every page_size-th
 entry of its slot list divided by page_size (the engine hands out whole pages
@@ -25,12 +32,12 @@ in order), and its last page holds seq_len - (num_pages - 1) * page_size tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from radixrt.kernels import DEFAULT_SHARED_PREFIX_MIN_TOKENS
-from radixrt.kernels.base import AttentionBackend
+from radixrt.kernels.base import FULL_ATTENTION, AttentionBackend, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.memory.kv_cache import KVCache
 
@@ -83,14 +90,16 @@ class FlashInferPlan:
     decode_rows: torch.Tensor | None
     has_extend: bool
     has_decode: bool
+    attention: LayerAttention
 
 
 class FlashInferAttentionBackend(AttentionBackend["FlashInferPlan"]):
     """Paged prefill wrapper for extend sequences, paged decode wrapper for decode ones.
 
     Ownership: the wrappers keep the latest plan internally, so a plan object is
-    valid only until the next `plan()` call; the runner plans once per step and
-    runs every layer of that step before planning the next.
+    valid only until the next `plan()` call for the same `LayerAttention`; the
+    runner plans once per step (per `LayerAttention`) and runs every layer of
+    that step before planning the next.
     """
 
     name = "flashinfer"
@@ -122,40 +131,50 @@ class FlashInferAttentionBackend(AttentionBackend["FlashInferPlan"]):
         # in its own half, so the two never share scratch even within a step.
         # Zeroed because the decode wrapper asks for a zeroed buffer on first use.
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=kv_cache.device)
-        half = workspace_bytes // 2
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace[:half], "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace[half:],
-            "NHD",
-            use_tensor_cores=num_q_heads // num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP,
-        )
+        self._flashinfer = flashinfer
+        self._wrappers: dict[LayerAttention, tuple[Any, Any]] = {}
+        self._wrappers_for(FULL_ATTENTION)
 
-    def plan(self, batch: ForwardBatch) -> FlashInferPlan:
+    def _wrappers_for(self, attention: LayerAttention) -> tuple[Any, Any]:
+        """The (prefill, decode) wrappers that plan and run layers attending as `attention`."""
+        if attention not in self._wrappers:
+            half = self._workspace.numel() // 2
+            prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace[:half], "NHD")
+            decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace[half:],
+                "NHD",
+                use_tensor_cores=self.num_q_heads // self.num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP,
+            )
+            self._wrappers[attention] = (prefill, decode)
+        return self._wrappers[attention]
+
+    def plan(self, batch: ForwardBatch, attention: LayerAttention = FULL_ATTENTION) -> FlashInferPlan:
         decode_ids, extend_ids = batch.decode_and_extend_ids()
         mixed = bool(decode_ids) and bool(extend_ids)
+        prefill, decode = self._wrappers_for(attention)
+        window_left = -1 if attention.sliding_window is None else attention.sliding_window - 1
+        options = {"pos_encoding_mode": "NONE", "sm_scale": self.softmax_scale(attention), "window_left": window_left,
+                   "logits_soft_cap": attention.logit_softcap, "q_data_type": self.dtype, "kv_data_type": self.dtype}
         if extend_ids:
             table = build_page_table(batch, extend_ids, self.page_size)
             qo_indptr = torch.zeros(len(extend_ids) + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.tensor([batch.extend_lens[i] for i in extend_ids], dtype=torch.int32).cumsum(0)
-            self._prefill.plan(
+            prefill.plan(
                 qo_indptr, table.indptr, table.indices, table.last_page_len,
-                self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
-                q_data_type=self.dtype, kv_data_type=self.dtype,
+                self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, causal=True, **options,
             )
         if decode_ids:
             table = build_page_table(batch, decode_ids, self.page_size)
-            self._decode.plan(
+            decode.plan(
                 table.indptr, table.indices, table.last_page_len,
-                self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                pos_encoding_mode="NONE", sm_scale=self.scale,
-                q_data_type=self.dtype, kv_data_type=self.dtype,
+                self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, **options,
             )
         return FlashInferPlan(
             extend_rows=batch.token_rows(extend_ids, batch.kv_indices.device) if mixed else None,
             decode_rows=batch.token_rows(decode_ids, batch.kv_indices.device) if mixed else None,
             has_extend=bool(extend_ids),
             has_decode=bool(decode_ids),
+            attention=attention,
         )
 
     def attend(
@@ -167,13 +186,14 @@ class FlashInferAttentionBackend(AttentionBackend["FlashInferPlan"]):
             self.kv_cache.v[layer][:usable].view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim),
         )
         q_in = q.to(self.dtype).contiguous()
+        prefill, decode = self._wrappers[plan.attention]
         if not plan.has_decode:
-            out = self._prefill.run(q_in, paged_kv)
+            out = prefill.run(q_in, paged_kv)
         elif not plan.has_extend:
-            out = self._decode.run(q_in, paged_kv)
+            out = decode.run(q_in, paged_kv)
         else:
             out = torch.empty_like(q_in)
-            out[plan.extend_rows] = self._prefill.run(q_in[plan.extend_rows], paged_kv)
-            out[plan.decode_rows] = self._decode.run(q_in[plan.decode_rows], paged_kv)
+            out[plan.extend_rows] = prefill.run(q_in[plan.extend_rows], paged_kv)
+            out[plan.decode_rows] = decode.run(q_in[plan.decode_rows], paged_kv)
         return out if out.dtype == q.dtype else out.to(q.dtype)
 

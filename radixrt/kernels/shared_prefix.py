@@ -90,17 +90,26 @@ _FLASH_CPU = _flash_cpu()
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention that also returns each query row's log-sum-exp (fp32).
 
     q: [B, H, Lq, D], k/v: [B, H, Lk, D], mask additive and broadcastable to
-    [B, H, Lq, Lk]. Every query row must see at least one key.
+    [B, H, Lq, Lk]. Every query row must see at least one key. `softcap`:
+    scores become softcap * tanh(score / softcap) before the mask (no fused
+    kernel does that, so the scores are then computed explicitly, in fp32).
     """
-    if q.device.type == "cpu" and _FLASH_CPU is not None:
+    if q.device.type == "cpu" and _FLASH_CPU is not None and softcap is None:
         out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
         return out, lse
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask
     lse = torch.logsumexp(scores, dim=-1)

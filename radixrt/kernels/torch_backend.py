@@ -27,6 +27,14 @@ Sequences that share a cached prefix of at least `shared_prefix_min_tokens` slot
 `shared_prefix`): all their queries attend the shared prefix in one call, the
 groups above attend only the keys after it and also return log-sum-exps, and
 the two halves are merged.
+
+A sliding window (`LayerAttention.sliding_window`) drops each sequence's keys
+older than its first new token's window before grouping (a decode then reads
+exactly its last `window` keys, through SDPA or the C kernel alike) and adds
+`key > query - window` to the extend masks. A shared prefix is split out only
+when every member's queries see all of it; otherwise its members attend alone.
+Soft-capped scores (Gemma 2) have no SDPA or C kernel: every group then takes
+the explicit-scores path of `attention_with_lse`, with its masks made explicit.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.kernels import cpu
-from radixrt.kernels.base import AttentionBackend
+from radixrt.kernels.base import FULL_ATTENTION, AttentionBackend, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.shared_prefix import (
     SharedPrefix,
@@ -100,6 +108,7 @@ class _Cascade:
 class TorchAttentionPlan:
     groups: tuple[_Group | _PagedDecode, ...]
     cascades: tuple[_Cascade, ...]
+    attention: LayerAttention
 
 
 class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
@@ -112,7 +121,7 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         )
         self._decode_kernel = cpu.decode_attention() if usable else None
 
-    def plan(self, batch: ForwardBatch) -> TorchAttentionPlan:
+    def plan(self, batch: ForwardBatch, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:
         device = self.kv_cache.device
         kv_starts = batch.kv_indptr[:-1].tolist()
         q_starts = batch.qo_indptr[:-1].tolist()
@@ -120,25 +129,36 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         shared = []
         if len(seqs) > 1:
             shared = find_shared_prefixes(batch.kv_indices, kv_starts, batch.prefix_lens, self.shared_prefix_min_tokens)
+        window = attention.sliding_window
+        if window is not None:  # split only where no member's window cuts into the shared keys
+            seq_lens = batch.seq_lens
+            shared = [prefix for prefix in shared if all(seq_lens[i] <= window for i in prefix.members)]
         skip = {i: prefix.length for prefix in shared for i in prefix.members}
-        plain = [s for s in seqs if s[0] not in skip]
+        plain = [_in_window(s, attention) for s in seqs if s[0] not in skip]
         # After a shared prefix of length L, a sequence is a shorter one: prefix p - L, slots from L on.
         tails = [(i, p - skip[i], e, kv + skip[i], q) for i, p, e, kv, q in seqs if i in skip]
-        groups = self._groups(plain, batch, with_lse=False) + self._groups(tails, batch, with_lse=True)
+        groups = self._groups(plain, batch, False, attention) + self._groups(tails, batch, True, attention)
         cascades = tuple(_Cascade(prefix, batch.token_rows(prefix.members, device)) for prefix in shared)
-        return TorchAttentionPlan(tuple(groups), cascades)
+        return TorchAttentionPlan(tuple(groups), cascades, attention)
 
-    def _groups(self, seqs: list["_Seq"], batch: ForwardBatch, with_lse: bool) -> list[_Group | _PagedDecode]:
+    def _groups(
+        self, seqs: list["_Seq"], batch: ForwardBatch, with_lse: bool, attention: LayerAttention
+    ) -> list[_Group | _PagedDecode]:
         device, dtype = self.kv_cache.device, self.kv_cache.shape.dtype
+        window = attention.sliding_window
+        # Explicit masks and rows, for `_partial`: merged later, or scores soft-capped.
+        explicit = with_lse or attention.logit_softcap is not None
+        decode_kernel = None if attention.logit_softcap is not None else self._decode_kernel
         decode = [s for s in seqs if s[2] == 1]
         extend = sorted((s for s in seqs if s[2] > 1), key=lambda s: (s[1] + s[2], s[2]), reverse=True)
-        groups = [_extend_group(members, batch, device, dtype, with_lse) for members in _pack(extend)]
-        if decode and self._decode_kernel is None:
-            groups.insert(0, _decode_group(decode, batch, device, dtype, with_lse))
-        if with_lse:  # their queries are folded (see _partial): fold the masks' rows once, here
+        groups = [_extend_group(members, batch, device, dtype, with_lse, explicit, window)
+                  for members in _pack(extend)]  # fmt: skip
+        if decode and decode_kernel is None:
+            groups.insert(0, _decode_group(decode, batch, device, dtype, with_lse, explicit))
+        if explicit:  # their queries are folded (see _partial): fold the masks' rows once, here
             group_size = self.num_q_heads // self.num_kv_heads
             groups = [_fold_mask_rows(g, group_size) for g in groups]
-        if decode and self._decode_kernel is not None:
+        if decode and decode_kernel is not None:
             whole_batch = len(decode) == batch.num_seqs and not with_lse
             return [_paged_decode(decode, with_lse, whole_batch), *groups]
         return list(groups)
@@ -153,6 +173,7 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         plan: TorchAttentionPlan,
     ) -> torch.Tensor:
         k_pool, v_pool = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        scale, softcap = self.softmax_scale(plan.attention), plan.attention.logit_softcap
         first = plan.groups[0]
         out = None if first.out_rows is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.cascades:
@@ -166,63 +187,72 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
                 target, lse = (tail_out, tail_lse) if group.with_lse else (out, None)
                 assert target is not None
                 self._decode_kernel(q, k_pool, v_pool, batch.kv_indices, group.kv_starts, group.kv_lens,
-                                    group.q_rows, group.out_rows, target, lse, self.scale)
+                                    group.q_rows, group.out_rows, target, lse, scale)
                 if group.whole_batch:
                     return target
                 continue
             k_group = k_pool.index_select(0, group.kv_slots).view(group.num_seqs, group.kv_len, self.num_kv_heads, -1)
             v_group = v_pool.index_select(0, group.kv_slots).view(group.num_seqs, group.kv_len, self.num_kv_heads, -1)
             k_group, v_group = k_group.transpose(1, 2), v_group.transpose(1, 2)
-            if group.with_lse:
-                assert group.out_rows is not None
-                rows, lse = self._partial(q, k_group, v_group, group)
-                tail_out.index_copy_(0, group.out_rows, rows)
-                tail_lse.index_copy_(0, group.out_rows, lse)
+            if group.with_lse or softcap is not None:
+                assert group.out_rows is not None and out is not None
+                rows, lse = self._partial(q, k_group, v_group, group, scale, softcap)
+                if group.with_lse:
+                    tail_out.index_copy_(0, group.out_rows, rows)
+                    tail_lse.index_copy_(0, group.out_rows, lse)
+                else:
+                    out.index_copy_(0, group.out_rows, rows)
                 continue
             attend = self._decode if group.is_decode else self._extend
-            rows = attend(q, k_group, v_group, group)
+            rows = attend(q, k_group, v_group, group, scale)
             if out is None or group.out_rows is None:  # the only group, covering every row in order
                 return rows
             out.index_copy_(0, group.out_rows, rows)
         assert out is not None
         for cascade in plan.cascades:
-            prefix_out, prefix_lse = self._shared_prefix(q, k_pool, v_pool, cascade)
+            prefix_out, prefix_lse = self._shared_prefix(q, k_pool, v_pool, cascade, scale, softcap)
             rows = cascade.rows
             out.index_copy_(0, rows, merge(prefix_out, prefix_lse, tail_out[rows], tail_lse[rows]))
         return out
 
     def _shared_prefix(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cascade: _Cascade
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        cascade: _Cascade,
+        scale: float,
+        softcap: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """All of a cascade's query rows against its shared prefix, in one call: [R, Hq, D], [R, Hq]."""
         q_rows = fold_heads(q.index_select(0, cascade.rows).unsqueeze(0), self.num_kv_heads)
         keys, values = prefix_keys(k_pool, cascade.prefix), prefix_keys(v_pool, cascade.prefix)
-        out, lse = attention_with_lse(q_rows, keys, values, None, self.scale)
+        out, lse = attention_with_lse(q_rows, keys, values, None, scale, softcap)
         return unfold_heads(out, lse, q_len=cascade.rows.numel())
 
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group, scale: float) -> torch.Tensor:
         q_group = q if group.q_rows is None else q.index_select(0, group.q_rows)
         num_seqs = group.num_seqs
         q_group = q_group.view(num_seqs, self.num_kv_heads, -1, self.head_dim)
-        out = F.scaled_dot_product_attention(q_group, k, v, attn_mask=group.mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(q_group, k, v, attn_mask=group.mask, scale=scale)
         return out.reshape(num_seqs, self.num_q_heads, self.head_dim)
 
-    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group) -> torch.Tensor:
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group, scale: float) -> torch.Tensor:
         q_group = q if group.q_rows is None else q.index_select(0, group.q_rows)
         q_group = q_group.view(group.num_seqs, group.q_len, self.num_q_heads, -1).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q_group, k, v, attn_mask=group.mask, is_causal=group.mask is None, scale=self.scale, enable_gqa=True
+            q_group, k, v, attn_mask=group.mask, is_causal=group.mask is None, scale=scale, enable_gqa=True
         )
         out = out.transpose(1, 2).reshape(-1, self.num_q_heads, self.head_dim)
         return out if group.valid is None else out.index_select(0, group.valid)
 
     def _partial(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: _Group, scale: float, softcap: float | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over a group's keys with each row's log-sum-exp: [T, Hq, D], [T, Hq]."""
         assert group.q_rows is not None and group.mask is not None
         q_group = q.index_select(0, group.q_rows).view(group.num_seqs, group.q_len, self.num_q_heads, self.head_dim)
-        out, lse = attention_with_lse(fold_heads(q_group, self.num_kv_heads), k, v, group.mask, self.scale)
+        out, lse = attention_with_lse(fold_heads(q_group, self.num_kv_heads), k, v, group.mask, scale, softcap)
         out, lse = unfold_heads(out, lse, group.q_len)
         if group.valid is None:
             return out, lse
@@ -230,6 +260,14 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
 
 
 _Seq = tuple[int, int, int, int, int]  # (index, prefix_len, extend_len, kv_start, q_start)
+
+
+def _in_window(seq: _Seq, attention: LayerAttention) -> _Seq:
+    """The sequence without the keys older than its first new token's window (none dropped
+    without a window): a prefix shortened by d, slots from d on."""
+    index, prefix, extend, kv_start, q_start = seq
+    dropped = attention.first_visible_key(prefix)
+    return index, prefix - dropped, extend, kv_start + dropped, q_start
 
 
 def _pack(extend: list[_Seq]) -> list[list[_Seq]]:
@@ -272,6 +310,12 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
+def _visible(keys: torch.Tensor, limit: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (key <= limit, the query's own position) and, with a window, key > limit - window."""
+    allowed = keys <= limit
+    return allowed if window is None else allowed & (keys > limit - window)
+
+
 def _fold_mask_rows(group: _Group, group_size: int) -> _Group:
     """The group with its mask as [B, 1, q_len * G, kv_len], for queries folded by `fold_heads`."""
     assert group.mask is not None
@@ -280,38 +324,46 @@ def _fold_mask_rows(group: _Group, group_size: int) -> _Group:
 
 
 def _decode_group(
-    members: list[_Seq], batch: ForwardBatch, device: torch.device, dtype: torch.dtype, with_lse: bool
+    members: list[_Seq], batch: ForwardBatch, device: torch.device, dtype: torch.dtype, with_lse: bool, explicit: bool
 ) -> _Group:
+    """Decodes (their window, if any, already applied by `_in_window`); `explicit`: a mask and
+    rows even where SDPA would need none."""
     seq_lens = [s[1] + 1 for s in members]
     kv_len = max(seq_lens)
     mask = None
-    if with_lse or min(seq_lens) < kv_len:
+    if explicit or min(seq_lens) < kv_len:
         allowed = torch.arange(kv_len, device=device)[None, :] < torch.tensor(seq_lens, device=device)[:, None]
         mask = _additive(allowed[:, None, None, :], dtype)
     # With only decodes in the batch, its rows are exactly the group's rows, in order.
-    whole_batch = len(members) == batch.num_seqs and not with_lse
+    whole_batch = len(members) == batch.num_seqs and not explicit
     rows = None if whole_batch else torch.tensor([s[4] for s in members], device=device)
     slots = _padded_slots(members, kv_len, batch, device)
     return _Group(len(members), 1, kv_len, with_lse, slots, mask, rows, None, rows)
 
 
 def _extend_group(
-    members: list[_Seq], batch: ForwardBatch, device: torch.device, dtype: torch.dtype, with_lse: bool
+    members: list[_Seq],
+    batch: ForwardBatch,
+    device: torch.device,
+    dtype: torch.dtype,
+    with_lse: bool,
+    explicit: bool,
+    window: int | None,
 ) -> _Group:
+    """Extends (their keys before the window dropped by `_in_window`); `explicit`: a mask and
+    rows even where SDPA would need none."""
     q_len = max(s[2] for s in members)
     kv_len = max(s[1] + s[2] for s in members)
     slots = _padded_slots(members, kv_len, batch, device)
     if len(members) == 1:
         index, prefix, extend, _, q_start = members[0]
-        whole_batch = batch.num_seqs == 1 and not with_lse
+        whole_batch = batch.num_seqs == 1 and not explicit
         rows = None if whole_batch else torch.arange(q_start, q_start + extend, device=device)
-        if prefix == 0 and not with_lse:
+        if prefix == 0 and not explicit and (window is None or extend <= window):
             mask = None
         else:
-            allowed = (
-                torch.arange(kv_len, device=device)[None, :] <= torch.arange(extend, device=device)[:, None] + prefix
-            )
-            mask = _additive(allowed, dtype)
+            limit = torch.arange(extend, device=device)[:, None] + prefix  # [extend, 1]: last visible key
+            mask = _additive(_visible(torch.arange(kv_len, device=device)[None, :], limit, window), dtype)
         return _Group(1, q_len, kv_len, with_lse, slots, mask, rows, None, rows)
     prefix_lens = torch.tensor([s[1] for s in members], device=device)
     extend_lens = torch.tensor([s[2] for s in members], device=device)
@@ -322,7 +374,7 @@ def _extend_group(
     q_rows = q_starts[:, None] + torch.where(is_real_row, row_offsets[None, :], 0)
     key_positions = torch.arange(kv_len, device=device)
     limit = prefix_lens[:, None] + row_offsets[None, :]  # [B, q_len]: last visible key
-    allowed = (key_positions[None, None, :] <= limit[:, :, None]) & (
+    allowed = _visible(key_positions[None, None, :], limit[:, :, None], window) & (
         key_positions[None, None, :] < (prefix_lens + extend_lens)[:, None, None]
     )
     q_rows = q_rows.reshape(-1)

@@ -7,6 +7,11 @@ decode kernels and the extend kernel over the same output tensor (each writes
 only its own rows). The kernels live in `triton_attention`, imported when this
 backend is constructed, so importing this module needs no triton.
 
+A layer's `LayerAttention` shapes the plan: with a sliding window each
+sequence's slot list starts at its first new token's window (a decode reads
+only its last `window` keys; the extend kernel masks the rest per row), and
+the scale and score cap go to the kernels.
+
 Under `TRITON_INTERPRET=1` the same code runs on CPU tensors (fp32/fp16; the
 interpreter mishandles bf16), which is how the kernels are tested without a GPU.
 """
@@ -18,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from radixrt.kernels.base import AttentionBackend
+from radixrt.kernels.base import FULL_ATTENTION, AttentionBackend, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,6 +55,7 @@ class ExtendPlan:
 class TritonPlan:
     decode: DecodePlan | None
     extend: ExtendPlan | None
+    attention: LayerAttention
 
 
 class TritonAttentionBackend(AttentionBackend["TritonPlan"]):
@@ -73,17 +79,21 @@ class TritonAttentionBackend(AttentionBackend["TritonPlan"]):
         self._kernels = triton_attention
         self._target_programs = 2 * _num_compute_units(self.kv_cache.device)
 
-    def plan(self, batch: ForwardBatch) -> TritonPlan:
+    def plan(self, batch: ForwardBatch, attention: LayerAttention = FULL_ATTENTION) -> TritonPlan:
         decode_ids, extend_ids = batch.decode_and_extend_ids()
+        # keys older than each sequence's first new token's window are skipped: slot lists start later
+        dropped = [attention.first_visible_key(prefix) for prefix in batch.prefix_lens]
         return TritonPlan(
-            decode=self._plan_decode(batch, decode_ids) if decode_ids else None,
-            extend=self._plan_extend(batch, extend_ids) if extend_ids else None,
+            decode=self._plan_decode(batch, decode_ids, dropped) if decode_ids else None,
+            extend=self._plan_extend(batch, extend_ids, dropped) if extend_ids else None,
+            attention=attention,
         )
 
-    def _plan_decode(self, batch: ForwardBatch, ids: Sequence[int]) -> DecodePlan:
+    def _plan_decode(self, batch: ForwardBatch, ids: Sequence[int], dropped: Sequence[int]) -> DecodePlan:
         qo_indptr, kv_indptr = batch.qo_indptr.tolist(), batch.kv_indptr.tolist()
-        seq_lens = [batch.seq_lens[i] for i in ids]
-        rows = _int32_rows([[qo_indptr[i] for i in ids], [kv_indptr[i] for i in ids], seq_lens], self.kv_cache.device)
+        seq_lens = [batch.seq_lens[i] - dropped[i] for i in ids]
+        kv_starts = [kv_indptr[i] + dropped[i] for i in ids]
+        rows = _int32_rows([[qo_indptr[i] for i in ids], kv_starts, seq_lens], self.kv_cache.device)
         num_splits = self._num_splits(len(ids), max(seq_lens))
         device = self.kv_cache.device
         return DecodePlan(
@@ -108,12 +118,12 @@ class TritonAttentionBackend(AttentionBackend["TritonPlan"]):
         tiles = -(-max_seq_len // self._kernels.DECODE_BLOCK_N)
         return max(1, min(wanted, tiles, self._kernels.MAX_KV_SPLITS))
 
-    def _plan_extend(self, batch: ForwardBatch, ids: Sequence[int]) -> ExtendPlan:
+    def _plan_extend(self, batch: ForwardBatch, ids: Sequence[int], dropped: Sequence[int]) -> ExtendPlan:
         qo_indptr, kv_indptr = batch.qo_indptr.tolist(), batch.kv_indptr.tolist()
         extend_lens = [batch.extend_lens[i] for i in ids]
-        prefix_lens = [batch.prefix_lens[i] for i in ids]
+        prefix_lens = [batch.prefix_lens[i] - dropped[i] for i in ids]
         rows = _int32_rows(
-            [[qo_indptr[i] for i in ids], extend_lens, prefix_lens, [kv_indptr[i] for i in ids]],
+            [[qo_indptr[i] for i in ids], extend_lens, prefix_lens, [kv_indptr[i] + dropped[i] for i in ids]],
             self.kv_cache.device,
         )
         return ExtendPlan(
@@ -135,19 +145,20 @@ class TritonAttentionBackend(AttentionBackend["TritonPlan"]):
         q_in = _last_dim_contiguous(q.to(dtype))
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
         out = torch.empty(q_in.shape, dtype=dtype, device=q_in.device)
+        scale, softcap = self.softmax_scale(plan.attention), plan.attention.logit_softcap
         if plan.decode is not None:
             d = plan.decode
             self._kernels.decode_attention(
                 q_in, k_cache, v_cache, batch.kv_indices,
                 d.q_rows, d.kv_starts, d.seq_lens, d.mid_out, d.mid_lse,
-                out, self.scale,
+                out, scale, softcap,
             )
         if plan.extend is not None:
             e = plan.extend
             self._kernels.extend_attention(
                 q_in, k, v, k_cache, v_cache, batch.kv_indices,
                 e.q_starts, e.extend_lens, e.prefix_lens, e.kv_starts, e.max_extend_len,
-                out, self.scale,
+                out, scale, plan.attention.sliding_window, softcap,
             )
         return out if out.dtype == q.dtype else out.to(q.dtype)
 

@@ -20,7 +20,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
 }
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# The MLP activation each family's checkpoints are trained with (config field `hidden_act`,
+# Gemma's `hidden_activation`): SwiGLU, or Gemma's GeGLU with tanh-approximated GELU.
+_ACTIVATIONS = {"gemma": "gelu_pytorch_tanh", "other": "silu"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 # Keys each rope type reads (transformers' names), besides rope_type/type, rope_theta and
 # partial_rotary_factor. Any other key is refused: a key we ignored could change the numerics.
@@ -67,14 +74,21 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3).
+    """Shape and numerics of a decoder we run (Llama 2/3, SmolLM, Mistral, Qwen2/3, Gemma 2/3, Phi-3).
 
     `attention_bias` is the bias of the q/k/v projections (Qwen2 always has it);
     `o_proj_bias` the output projection's (`attention_bias=True` in a Llama or
     Qwen3 config sets both). `qk_norm`: an RMSNorm over each q and k head
-    before the rotary embedding (Qwen3). `sliding_window` is None for full
-    attention; our attention is always full, so the model refuses sequences
-    longer than the window, where the two would differ (see `context_len`).
+    before the rotary embedding (Qwen3, Gemma 3). `sliding_window` is None for
+    full attention; else the layers in `sliding_layers` (None: all) attend
+    only their last `sliding_window` keys (`layer_window`).
+
+    Gemma (`is_gemma`): embeddings scaled by sqrt(hidden_size), RMSNorm by
+    (1 + weight), norms after attention and around the MLP, GeGLU, softmax
+    scale `query_pre_attn_scalar ** -0.5`, optional tanh soft-capping of
+    attention scores and of the final logits; `local_rope_theta` is the rope
+    base of Gemma 3's sliding layers (no scaling there). `partial_rotary_factor`:
+    the share of each head's dims that rotate (Phi-4-mini: 0.75).
     """
 
     architecture: str
@@ -96,6 +110,13 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_layers: tuple[int, ...] | None = None
+    hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -114,12 +135,36 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1] and leave an even number of rotated dims, "
+                             f"got {self.partial_rotary_factor} of head_dim {self.head_dim}")
         scaling = self.rope_scaling
         if scaling is not None and scaling.rope_type == "longrope":
             for name in ("short_factor", "long_factor"):
-                if len(getattr(scaling, name)) != self.head_dim // 2:
-                    raise ValueError(f"longrope {name} must have head_dim // 2 = {self.head_dim // 2} entries, "
+                if len(getattr(scaling, name)) != self.rotary_dim // 2:
+                    raise ValueError(f"longrope {name} must have rotary_dim // 2 = {self.rotary_dim // 2} entries, "
                                      f"got {len(getattr(scaling, name))}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.sliding_layers is not None and not all(0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ValueError(f"sliding_layers {self.sliding_layers} must be layer indices < {self.num_layers}")
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head the rotary embedding rotates (transformers' int())."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether the config names `layer` a sliding-attention layer (it uses Gemma 3's local rope)."""
+        return self.sliding_layers is None or layer in self.sliding_layers
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None if it attends every earlier key."""
+        return self.sliding_window if self.is_sliding_layer(layer) else None
 
     @property
     def num_query_groups(self) -> int:
@@ -128,7 +173,7 @@ class ModelConfig:
 
     @property
     def context_len(self) -> int:
-        """Longest sequence this model serves exactly: the sliding window caps it, if any.
+        """Longest sequence this model serves: `max_position_embeddings`.
 
         With "dynamic" rope scaling `max_position_embeddings` is the trained
         length the NTK scaling extends by `factor` (as SGLang and vLLM read it).
@@ -136,7 +181,7 @@ class ModelConfig:
         length = self.max_position_embeddings
         if self.rope_scaling is not None and self.rope_scaling.rope_type == "dynamic":
             length = int(length * self.rope_scaling.factor)
-        return length if self.sliding_window is None else min(length, self.sliding_window)
+        return length
 
     def kv_shape(self, dtype: torch.dtype) -> KVShape:
         """The per-token KV footprint, to size a `KVCache` for this model."""
@@ -146,11 +191,18 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any) -> ModelConfig:
         """Read a transformers config (4.x or 5.x spelling); ValueError on what we cannot run."""
         architecture = _architecture(hf_config)
-        hidden_act = getattr(hf_config, "hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu' (SwiGLU MLP), got {hidden_act!r}")
+        is_gemma = architecture in GEMMA_ARCHITECTURES
+        hidden_act = _activation(hf_config, is_gemma)
         if getattr(hf_config, "mlp_bias", False):
-            raise ValueError("mlp_bias=True is not supported (no Llama-family checkpoint we serve uses it)")
+            raise ValueError("mlp_bias=True is not supported (no checkpoint of the supported families uses it)")
+        quantization = getattr(hf_config, "quantization_config", None)
+        if quantization:
+            method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                      else getattr(quantization, "quant_method", quantization))  # fmt: skip
+            raise ValueError(f"quantized checkpoints (quantization_config {method!r}) are not supported; supported: "
+                             "unquantized float32/bfloat16/float16 weights, or a .gguf file")
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention=True (an embedding model) is not supported: causal only")
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -158,7 +210,8 @@ class ModelConfig:
             attention_bias, o_proj_bias = True, False
         else:
             attention_bias = o_proj_bias = bool(getattr(hf_config, "attention_bias", False))
-        rope_theta, rope_scaling = _rope(hf_config)
+        (rope_theta, rope_scaling, partial_rotary_factor), local_rope_theta = _rope(hf_config, architecture)
+        sliding_window, sliding_layers = _sliding_window(hf_config)
         eos = getattr(hf_config, "eos_token_id", None)
         eos_token_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
         bos = getattr(hf_config, "bos_token_id", None)
@@ -178,11 +231,29 @@ class ModelConfig:
             o_proj_bias=o_proj_bias,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=int(hf_config.max_position_embeddings),
-            sliding_window=_sliding_window(hf_config),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=sliding_window,
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_token_ids,
+            sliding_layers=sliding_layers,
+            hidden_act=hidden_act,
+            partial_rotary_factor=partial_rotary_factor,
+            query_pre_attn_scalar=_optional_float(getattr(hf_config, "query_pre_attn_scalar", None)),
+            attn_logit_softcapping=_optional_float(getattr(hf_config, "attn_logit_softcapping", None)),
+            final_logit_softcapping=_optional_float(getattr(hf_config, "final_logit_softcapping", None)),
+            local_rope_theta=local_rope_theta,
         )
+
+
+def _activation(hf_config: Any, is_gemma: bool) -> str:
+    """The MLP activation; each family runs only the one its checkpoints use."""
+    expected = _ACTIVATIONS["gemma" if is_gemma else "other"]
+    name = getattr(hf_config, "hidden_activation", None) if is_gemma else None
+    name = name or getattr(hf_config, "hidden_act", None) or expected
+    if name != expected:
+        field = "hidden_activation" if is_gemma else "hidden_act"
+        raise ValueError(f"{field} must be {expected!r} for this architecture, got {name!r}")
+    return name
 
 
 def _architecture(hf_config: Any) -> str:
@@ -201,11 +272,29 @@ def _architecture(hf_config: Any) -> str:
     raise ValueError(f"unsupported model_type {model_type!r}; supported: {model_types} (architectures {supported})")
 
 
-def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4)."""
+def _rope(hf_config: Any, architecture: str) -> tuple[tuple[float, RopeScaling | None, float], float | None]:
+    """((theta, scaling, partial rotary factor), theta of the sliding layers or None: the same).
+
+    Read from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4). Gemma 3
+    has one set per layer type: the full layers' (any rope type) and the sliding layers'
+    (a plain rope with its own base, `rope_local_base_freq` in transformers 4).
+    """
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    if any(isinstance(value, dict) for value in params.values()):
-        raise ValueError(f"per-layer rope parameters ({', '.join(params)}) are not supported: one rope for all layers")
+    if not any(isinstance(value, dict) for value in params.values()):
+        local_theta = getattr(hf_config, "rope_local_base_freq", None) if architecture == "Gemma3ForCausalLM" else None
+        return _rope_of(hf_config, params), _optional_float(local_theta)
+    layer_types = {"full_attention", "sliding_attention"}
+    if architecture != "Gemma3ForCausalLM" or set(params) != layer_types:
+        raise ValueError(f"per-layer rope parameters ({', '.join(params)}) are supported only for Gemma 3's "
+                         f"{sorted(layer_types)}; other models have one rope for all layers")
+    local = _rope_of(hf_config, dict(params["sliding_attention"]))
+    if local[1:] != (None, 1.0):
+        raise ValueError("Gemma 3's sliding_attention rope must be a plain ('default') rope")
+    return _rope_of(hf_config, dict(params["full_attention"])), local[0]
+
+
+def _rope_of(hf_config: Any, params: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
+    """(theta, scaling, partial rotary factor) from one set of rope parameters."""
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -215,8 +304,11 @@ def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
         accepted = ", ".join(sorted(_ROPE_KEYS[rope_type] | _COMMON_ROPE_KEYS))
         raise ValueError(f"unsupported {rope_type} rope parameters {unknown}; accepted: {accepted}")
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor must be 1.0, got {partial!r}")
+    partial = 1.0 if partial is None else float(partial)
+    return (*_scaling(hf_config, params, theta, rope_type), partial)
+
+
+def _scaling(hf_config: Any, params: dict[str, Any], theta: float, rope_type: str) -> tuple[float, RopeScaling | None]:
     if rope_type == "default":
         return theta, None
     max_positions = int(hf_config.max_position_embeddings)
@@ -274,12 +366,18 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _sliding_window(hf_config: Any) -> int | None:
-    """The attention window, if any layer uses one (Qwen2 only when `use_sliding_window`)."""
-    if not getattr(hf_config, "use_sliding_window", True):
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
+def _sliding_window(hf_config: Any) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window or None, the "sliding_attention" layers: None for all).
+
+    Qwen2 windows only with `use_sliding_window`; `layer_types` (Qwen2, Gemma)
+    names each layer "sliding_attention" or "full_attention".
+    """
     window = getattr(hf_config, "sliding_window", None)
-    return int(window) if window else None
+    window = int(window) if window and getattr(hf_config, "use_sliding_window", True) else None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        return window, None
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; supported: sliding_attention, full_attention")
+    return window, tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")

@@ -7,6 +7,13 @@ k together, the attention backend, one fused gate/up matmul. Projections are
 plain callables over the weights (`radixrt.model.linear`), not `nn.Linear`
 modules: no module dispatch per op, and `prepack()` can swap in a faster
 matmul once the weights are loaded.
+
+The same classes run Gemma 2/3 (`config.is_gemma`: extra norms around the
+sublayers, GeGLU, scaled embeddings, soft-capping; the arithmetic is in
+`radixrt.model.gemma`) and Phi-3 (q/k/v and gate/up stored fused). Layers may
+attend differently (a sliding window on some, a softmax scale, a score cap):
+each layer has its `LayerAttention`, and `plan_attention` plans the step once
+per distinct one.
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrt.kernels import cpu
-from radixrt.kernels.base import AttentionBackend
+from radixrt.kernels.base import AttentionBackend, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
-from radixrt.model import linear
+from radixrt.model import gemma, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_int4 import Int4Weight, NativeWeights
 from radixrt.model.int4_layer import Int4LayerSteps
@@ -61,7 +68,9 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP block with fused projections.
 
     `qkv_proj` rows are [q heads | k heads | v heads]; `gate_up_proj` rows are
-    [gate | up]: one matmul each instead of three and two.
+    [gate | up]: one matmul each instead of three and two. Gemma adds
+    `pre_feedforward_norm` and `post_feedforward_norm` (and uses
+    `post_attention_norm` on the attention output rather than before the MLP).
     """
 
     def __init__(
@@ -81,6 +90,11 @@ class LlamaDecoderLayer(nn.Module):
         self.q_norm = _weight(head_dim, device=device, dtype=dtype) if config.qk_norm else None
         self.k_norm = _weight(head_dim, device=device, dtype=dtype) if config.qk_norm else None
         self.post_attention_norm = _weight(hidden, device=device, dtype=dtype)
+        self.pre_feedforward_norm = _weight(hidden, device=device, dtype=dtype) if config.is_gemma else None
+        self.post_feedforward_norm = _weight(hidden, device=device, dtype=dtype) if config.is_gemma else None
+        self.activation = gemma.gelu_tanh if config.hidden_act == "gelu_pytorch_tanh" else F.silu
+        scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+        self.attention = LayerAttention(config.layer_window(index), scale, config.attn_logit_softcapping)
         self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, device=device, dtype=dtype)
         self.down_proj = _weight(hidden, config.intermediate_size, device=device, dtype=dtype)
         self._bind_linears(linear.plain)
@@ -103,7 +117,10 @@ class LlamaDecoderLayer(nn.Module):
                 raise ValueError(f"layer {self.index} {name}: 4-bit shape {weights[name].shape}, "
                                  f"model expects {tuple(dense.shape)}")
         config = self.config
-        if self.q_norm is None and self.qkv_bias is None and self.o_bias is None:
+        plain_llama = (self.q_norm is None and self.qkv_bias is None and self.o_bias is None
+                       and self.pre_feedforward_norm is None and self.activation is F.silu
+                       and config.rotary_dim == config.head_dim and config.local_rope_theta is None)
+        if plain_llama:
             self._int4_steps = Int4LayerSteps.create(
                 weights, self.input_norm, self.post_attention_norm, config.rms_norm_eps, config.num_heads,
                 config.num_kv_heads, config.head_dim,
@@ -140,11 +157,15 @@ class LlamaDecoderLayer(nn.Module):
         q = qk[:, : config.num_heads]
         k = qk[:, config.num_heads :]
         v = qkv[:, num_qk_heads:]
-        attn = backend.forward(q, k, v, self.index, batch, plan)
-        # hidden += o(attn), in place (hidden is this step's own activation), then normalized
-        x = self.rms_norm(hidden, self.post_attention_norm, config.rms_norm_eps, self.o(attn.reshape(num_tokens, -1)))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return hidden.add_(self.down(F.silu(gate) * up))
+        attn = self.o(backend.forward(q, k, v, self.index, batch, plan).reshape(num_tokens, -1))
+        eps = config.rms_norm_eps
+        if self.pre_feedforward_norm is None or self.post_feedforward_norm is None:
+            # hidden += attn, in place (hidden is this step's own activation), then normalized
+            return hidden.add_(self._mlp(self.rms_norm(hidden, self.post_attention_norm, eps, attn)))
+        # Gemma: each sublayer's output is normalized before it joins the residual stream
+        hidden.add_(self.rms_norm(attn, self.post_attention_norm, eps))
+        mlp = self._mlp(self.rms_norm(hidden, self.pre_feedforward_norm, eps))
+        return hidden.add_(self.rms_norm(mlp, self.post_feedforward_norm, eps))
 
     def _int4_forward(
         self, steps: Int4LayerSteps, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -157,6 +178,10 @@ class LlamaDecoderLayer(nn.Module):
         attn = backend.forward(qkv[:, :num_heads], qkv[:, num_heads:qk_heads], qkv[:, qk_heads:], self.index, batch,
                                plan)
         return steps.finish(hidden, attn.reshape(num_tokens, -1))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.activation(gate) * up)
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3's RMSNorm of each q and k head, [T, q heads + k heads, head_dim].
@@ -182,7 +207,8 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.config = config
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
-        self.rms_norm = _rms_norm_for(device, dtype)
+        self.rms_norm = gemma.rms_norm if config.is_gemma else _rms_norm_for(device, dtype)
+        self.embedding_scale = gemma.embedding_scale(config.hidden_size, dtype) if config.is_gemma else None
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, device, dtype, self.rms_norm) for i in range(config.num_layers)
         )
@@ -192,7 +218,11 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _weight(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         )
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
+        self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling, device)
+        # Gemma 3's sliding layers rotate with their own base
+        self.local_rope = None
+        if config.local_rope_theta is not None:
+            self.local_rope = RotaryEmbedding(config.rotary_dim, config.local_rope_theta, None, device)
         self._lm_head = linear.plain(self.lm_head)
 
     def prepack(self) -> None:
@@ -229,31 +259,41 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend[Any], plan: Any) -> torch.Tensor:
+    def plan_attention(self, batch: ForwardBatch, backend: AttentionBackend[Any]) -> dict[LayerAttention, Any]:
+        """`backend`'s plans of this batch, one per distinct `LayerAttention` of the layers."""
+        kinds = dict.fromkeys(layer.attention for layer in self.layers if isinstance(layer, LlamaDecoderLayer))
+        return {kind: backend.plan(batch, kind) for kind in kinds}
+
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend[Any], plans: Mapping[LayerAttention, Any]
+    ) -> torch.Tensor:
         """Hidden states after the final norm, [batch.num_tokens, hidden_size].
 
-        `backend.plan(batch)` must have produced `plan` for this very batch;
+        `plans` must be `plan_attention(batch, backend)` for this very batch;
         every layer's attention stores its new K/V at `batch.out_slots`.
         """
-        window = self.config.sliding_window
-        if window is not None and max(batch.seq_lens) > window:
-            raise ValueError(
-                f"a sequence of {max(batch.seq_lens)} tokens exceeds sliding_window={window}; "
-                "radixrt attends over the full context, so sequences are capped at config.context_len"
-            )
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
-        cos, signed_sin = self.rope.cos_sin(batch.positions, self.dtype)
+        if self.embedding_scale is not None:
+            hidden = hidden * self.embedding_scale
+        ropes = {False: self.rope} if self.local_rope is None else {False: self.rope, True: self.local_rope}
+        tables = {local: rope.cos_sin(batch.positions, self.dtype) for local, rope in ropes.items()}
         for layer in self.layers:
-            hidden = layer.forward(hidden, cos, signed_sin, self.rope, batch, backend, plan)
+            assert isinstance(layer, LlamaDecoderLayer)
+            local = self.local_rope is not None and self.config.is_sliding_layer(layer.index)
+            cos, signed_sin = tables[local]
+            hidden = layer.forward(hidden, cos, signed_sin, ropes[local], batch, backend, plans[layer.attention])
         return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab_size] for N rows of `forward`'s output."""
-        return self._lm_head(hidden_rows).float()
+        """float32 logits [N, vocab_size] for N rows of `forward`'s output (soft-capped where the
+        config says, in float32)."""
+        logits = self._lm_head(hidden_rows).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else gemma.soft_cap(logits, cap)
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy weights named as in a transformers checkpoint, fusing q/k/v and gate/up.
+        """Copy weights named as in a transformers checkpoint, fusing q/k/v and gate/up (Phi-3's come fused).
 
         `state_dict` may be any mapping (e.g. lazily reading safetensors
         shards); each tensor is read once and copied into place, cast to this
@@ -272,13 +312,20 @@ class LlamaForCausalLM(nn.Module):
         q_rows = config.num_heads * config.head_dim
         kv_rows = config.num_kv_heads * config.head_dim
         qkv_slices = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows)}
+        # Phi-3 stores q/k/v and gate/up already fused, in our row order
+        fused = config.architecture == "Phi3ForCausalLM"
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             prefix = f"model.layers.{i}."
             loader.copy(layer.input_norm, prefix + "input_layernorm.weight")
             loader.copy(layer.post_attention_norm, prefix + "post_attention_layernorm.weight")
+            if layer.pre_feedforward_norm is not None and layer.post_feedforward_norm is not None:
+                loader.copy(layer.pre_feedforward_norm, prefix + "pre_feedforward_layernorm.weight")
+                loader.copy(layer.post_feedforward_norm, prefix + "post_feedforward_layernorm.weight")
             loader.ignore(prefix + "self_attn.rotary_emb.inv_freq")
-            for name, (start, rows) in qkv_slices.items():
+            if fused:
+                loader.copy(layer.qkv_proj, prefix + "self_attn.qkv_proj.weight")
+            for name, (start, rows) in ({} if fused else qkv_slices).items():
                 loader.copy(layer.qkv_proj.narrow(0, start, rows), f"{prefix}self_attn.{name}.weight")
                 if layer.qkv_bias is not None:
                     loader.copy(layer.qkv_bias.narrow(0, start, rows), f"{prefix}self_attn.{name}.bias")
@@ -289,8 +336,11 @@ class LlamaForCausalLM(nn.Module):
                 loader.copy(layer.q_norm, prefix + "self_attn.q_norm.weight")
                 loader.copy(layer.k_norm, prefix + "self_attn.k_norm.weight")
             intermediate = config.intermediate_size
-            loader.copy(layer.gate_up_proj.narrow(0, 0, intermediate), prefix + "mlp.gate_proj.weight")
-            loader.copy(layer.gate_up_proj.narrow(0, intermediate, intermediate), prefix + "mlp.up_proj.weight")
+            if fused:
+                loader.copy(layer.gate_up_proj, prefix + "mlp.gate_up_proj.weight")
+            else:
+                loader.copy(layer.gate_up_proj.narrow(0, 0, intermediate), prefix + "mlp.gate_proj.weight")
+                loader.copy(layer.gate_up_proj.narrow(0, intermediate, intermediate), prefix + "mlp.up_proj.weight")
             loader.copy(layer.down_proj, prefix + "mlp.down_proj.weight")
         loader.finish()
 

@@ -4,28 +4,33 @@ transformers reads configs, tokenizers (with their chat templates) and, for
 GGUF, de-quantizes weights; our `LlamaForCausalLM` runs them. A GGUF file is
 converted once into a cached Hugging Face folder (see `gguf_cache`), so every
 load ends up reading a folder: config.json, safetensors (or .bin) weights,
-tokenizer files.
+tokenizer files. What transformers read from a folder's config and tokenizer
+is recorded on the first load (`start_record`), so later loads need not
+import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
-import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from radixrt.model.checkpoint import checkpoint_bytes, checkpoint_weights
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_cache import gguf_to_hf_folder
 from radixrt.model.gguf_int4 import CACHE_FILE, SUPPORTED_TYPES, has_int4_projections, load_projections
 from radixrt.model.llama import LlamaForCausalLM
+from radixrt.model.start_record import read_record, write_record
+from radixrt.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +63,23 @@ class LoadedModel:
 
     `path` is the folder the weights were read from (for a GGUF: its cache
     folder), which transformers can also load, e.g. as a reference in tests.
+    `hf_config` is the transformers config, read on first access.
     """
 
     model: LlamaForCausalLM
     config: ModelConfig
-    tokenizer: Any  # a transformers PreTrainedTokenizerBase, with its chat template
+    # `tokenizer.Tokenizer` (a transformers fast tokenizer's behaviour, without importing transformers),
+    # or the transformers tokenizer itself where a record could not reproduce it
+    tokenizer: Any
     name: str
-    hf_config: Any  # the transformers PretrainedConfig
     path: Path
     weights: str = "dense"  # or "native": the projections are the GGUF file's 4-bit codes
+    read_hf_config: Callable[[], Any] = field(kw_only=True, repr=False, compare=False)
+
+    @property
+    def hf_config(self) -> Any:
+        """The transformers `PretrainedConfig` (importing transformers on first access after a recorded start)."""
+        return self.read_hf_config()
 
 
 def bundled_model_path() -> Path:
@@ -214,8 +227,6 @@ def _native_is_faster(source: Path, folder: Path, device: torch.device, dtype: t
 
 
 def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
-
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder")
     if not any((folder / file).is_file() for file in _TOKENIZER_FILES):
@@ -223,62 +234,48 @@ def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dty
             f"{folder} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); radixrt needs the "
             "model's tokenizer beside its weights: copy it from the model's original repository"
         )
-    started, num_bytes = time.perf_counter(), _checkpoint_bytes(folder)
+    started, num_bytes = time.perf_counter(), checkpoint_bytes(folder, exclude=CACHE_FILE)
     logger.info(
         "loading %s: %.0f MB of weights from %s as %s on %s, roughly %.0f s",
         name, num_bytes / 2**20, folder, str(dtype).removeprefix("torch."), device,
         max(num_bytes / _LOAD_BYTES_PER_S, 1.0),
     )
-    hf_config = AutoConfig.from_pretrained(folder)
-    config = ModelConfig.from_hf(hf_config)
-    weights = _checkpoint_weights(folder)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{folder}: the tokenizer files did not load ({error})") from error
+    config, tokenizer, read_hf_config = _config_and_tokenizer(folder)
+    weights = checkpoint_weights(folder)
     model = LlamaForCausalLM(config, device=device, dtype=dtype)
     model.load_hf_state_dict(weights)
     model.prepack()
     logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, hf_config=hf_config, path=folder)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=folder,
+                       read_hf_config=read_hf_config)
 
 
-def _checkpoint_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for pattern in ("*.safetensors", "pytorch_model*.bin") for f in folder.glob(pattern)
-               if f.name != CACHE_FILE)
+def _config_and_tokenizer(folder: Path) -> tuple[ModelConfig, Any, Callable[[], Any]]:
+    """The model config, the tokenizer and a reader of the transformers config: from the folder's start
+    record if there is one (no transformers import), else through transformers, recording what it read."""
+    record = read_record(folder)
+    if record is not None:
+        config = record.model_config()
+        tokenizer = Tokenizer(record.tokenizer, functools.partial(_transformers_tokenizer, folder))
+        return config, tokenizer, functools.cache(functools.partial(_transformers_config, folder))
+    hf_config = _transformers_config(folder)
+    config = ModelConfig.from_hf(hf_config)
+    hf_tokenizer = _transformers_tokenizer(folder)
+    record = write_record(folder, hf_config, config, hf_tokenizer)
+    tokenizer = hf_tokenizer if record is None else Tokenizer(record.tokenizer, lambda: hf_tokenizer)
+    return config, tokenizer, lambda: hf_config
 
 
-def _checkpoint_weights(folder: Path) -> Mapping[str, torch.Tensor]:
-    """The folder's tensors by name: safetensors read lazily, else PyTorch .bin files."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
-        return _SafetensorsWeights(shards)
-    if (folder / "model.safetensors").is_file():
-        return _SafetensorsWeights([folder / "model.safetensors"])
-    bins = sorted(folder.glob("pytorch_model*.bin"))
-    if bins:
-        merged: dict[str, torch.Tensor] = {}
-        for path in bins:
-            merged.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-        return merged
-    raise FileNotFoundError(f"{folder} has no weights (model.safetensors, its index, or pytorch_model*.bin)")
+def _transformers_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
 
 
-class _SafetensorsWeights(Mapping[str, torch.Tensor]):
-    """Tensors of safetensors shards, read one at a time on access (no full copy in memory)."""
+def _transformers_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
 
-    def __init__(self, shards: list[Path]):
-        from safetensors import safe_open
-
-        self._handles = [safe_open(str(path), framework="pt") for path in shards]
-        self._where = {key: handle for handle in self._handles for key in handle.keys()}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{folder}: the tokenizer files did not load ({error})") from error

@@ -167,6 +167,13 @@ class RotaryEmbedding:
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x: [num_tokens, num_heads, head_dim] (any heads: q and k stacked work too)."""
+        """Rotate x: [num_tokens, num_heads, head_dim] (any heads: q and k stacked work too).
+
+        With a partial rotary factor (this embedding's `head_dim` is the rotated part) only
+        the leading dims of each head rotate; the rest pass through.
+        """
+        if x.shape[-1] > self.head_dim:
+            rotated = self.apply(x[..., : self.head_dim], cos, signed_sin)
+            return torch.cat((rotated, x[..., self.head_dim :]), dim=-1)
         flipped = x.unflatten(-1, (2, self.head_dim // 2)).flip(-2).flatten(-2)
         return x * cos + flipped * signed_sin

@@ -91,8 +91,8 @@ class ModelRunner:
             torch.set_num_threads(wanted)
         try:
             with torch.inference_mode():
-                plan = self.backend.plan(batch)
-                hidden = self.model.forward(batch, self.backend, plan)
+                plans = self.model.plan_attention(batch, self.backend)
+                hidden = self.model.forward(batch, self.backend, plans)
                 return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)))
         finally:
             if wanted != previous:  # the thread count is the process's: leave it as found

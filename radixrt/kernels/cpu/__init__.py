@@ -16,6 +16,8 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
                         Here the codes feed bf16 dot products directly and
                         are decoded once for several rows (AVX512-BF16
                         CPUs; elsewhere callers keep torch's kernel).
+    kv_store.c          a step's new K and V rows into their pool slots in one
+                        call, instead of two indexed assignments a layer.
     int4_layer.c        a 4-bit Llama layer's work around attention (norms,
                         projections, RoPE, SwiGLU, residuals) in two calls
                         instead of about thirty ops, for decode-sized steps.
@@ -183,9 +185,10 @@ class QuantizedMatmul:
         return PackedWeight(blocks.contiguous(), 8, codes.shape[0])
 
     def _tiles(self, codes: torch.Tensor) -> tuple[int, int]:
-        if not self.supports(tuple(codes.shape)):
-            raise ValueError(f"weight shape {tuple(codes.shape)}: rows must be a multiple of 16, columns of 32")
-        return codes.shape[0] // self.TILE_ROWS, codes.shape[1] // self.GROUP
+        num_rows, num_cols = codes.shape
+        if not self.supports((num_rows, num_cols)):
+            raise ValueError(f"weight shape {(num_rows, num_cols)}: rows must be a multiple of 16, columns of 32")
+        return num_rows // self.TILE_ROWS, num_cols // self.GROUP
 
     def _fp16_rows(self, values: torch.Tensor, tiles: int, groups: int) -> torch.Tensor:
         half = values.to(torch.float16)
@@ -259,6 +262,37 @@ class Int4Layer:
         if status:
             raise MemoryError("4-bit layer kernel could not allocate its buffers")
         return hidden
+
+
+class KVStore:
+    """`radixrt_store_kv_bf16`: K and V rows ([T, H, D] bf16, each row's heads contiguous) into
+    pool slots ([slots, H, D] bf16, contiguous)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.radixrt_store_kv_bf16
+        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [pointer, i64, pointer, i64, i64, i64, pointer, i64, pointer, pointer]
+        self._fn.restype = ctypes.c_int
+
+    @staticmethod
+    def takes(rows: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Whether these K or V rows and slots are laid out as the kernel reads them."""
+        return (rows.dtype == torch.bfloat16 and rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]
+                and slots.dtype == torch.int64 and slots.is_contiguous())
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pool: torch.Tensor,
+                 v_pool: torch.Tensor) -> None:
+        """Pools [num_slots, H, D], contiguous; raises IndexError (nothing written) for a slot outside them."""
+        status = self._fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], k.shape[1] * k.shape[2],
+                          slots.data_ptr(), k_pool.shape[0], k_pool.data_ptr(), v_pool.data_ptr())
+        if status:
+            raise IndexError(f"a K/V slot is outside the pool of {k_pool.shape[0]} slots")
+
+
+def kv_store() -> KVStore | None:
+    """The compiled K/V store; None where the kernels cannot be built."""
+    library = _load()
+    return None if library is None else KVStore(library)
 
 
 def decode_attention() -> DecodeAttention | None:

@@ -1,0 +1,116 @@
+"""A model folder's config and tokenizer as transformers reads them, recorded so later starts skip transformers.
+
+Importing transformers and reading a folder through it (config, tokenizer)
+took 2-3 s of a 9 s warm start on the project's 2-core machine; the weights
+never needed it. The first load of a folder still goes through transformers
+and records what it read; later loads build `ModelConfig` and the
+`tokenizer.Tokenizer` from the record alone:
+
+    $RADIXRT_CACHE_DIR (default ~/.cache/radixrt)/start/<folder name>-<key>.json
+        {"format": 1, "config": {...transformers' full config...}, "tokenizer": {...TokenizerRecord...}}
+
+`<key>` hashes the record format, the installed transformers version,
+`radixrt/model/config.py` (the code that reads a config) and every file of
+the folder except weights, name and bytes: a change to any of them makes a
+new record, read through transformers once. A record is written only where
+it reproduces transformers: `ModelConfig.from_hf` over the recorded config
+must equal it over the transformers config, and `TokenizerRecord.of` must
+accept the tokenizer (else every start uses transformers, as before).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from radixrt.model import config as config_module
+from radixrt.model.config import ModelConfig
+from radixrt.model.tokenizer import TokenizerRecord
+from radixrt.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+_FORMAT = 1
+# Weights do not change what transformers reads from a folder's config and tokenizer files.
+_WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".onnx"})
+
+
+@dataclass(frozen=True)
+class StartRecord:
+    """A folder's transformers config (as a plain dict) and its tokenizer's record."""
+
+    config: dict[str, Any]
+    tokenizer: TokenizerRecord
+
+    def model_config(self) -> ModelConfig:
+        """`ModelConfig.from_hf` over the recorded config, which reads it by attribute as it reads transformers'."""
+        return ModelConfig.from_hf(SimpleNamespace(**self.config))
+
+
+def record_path(folder: Path) -> Path:
+    """Where the record of `folder`'s current files lives (it may not exist yet)."""
+    digest = hashlib.sha256(f"radixrt-start-record-v{_FORMAT}:{_transformers_version()}:".encode())
+    digest.update(Path(config_module.__file__).read_bytes())
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.suffix not in _WEIGHT_SUFFIXES:
+            digest.update(f"\0{path.name}\0{path.stat().st_size}\0".encode())
+            digest.update(path.read_bytes())
+    return cache_root() / "start" / f"{folder.name}-{digest.hexdigest()[:16]}.json"
+
+
+def read_record(folder: Path) -> StartRecord | None:
+    """The record for `folder`'s files as they are now, or None (none yet, or unreadable)."""
+    path = record_path(folder)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != _FORMAT:
+            return None
+        return StartRecord(data["config"], TokenizerRecord.from_json(data["tokenizer"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_record(folder: Path, hf_config: Any, model_config: ModelConfig, hf_tokenizer: Any) -> StartRecord | None:
+    """Record what transformers read from `folder`, if the record reproduces it; None if it would not.
+
+    A cache that cannot be written only costs the next start its speed-up.
+    """
+    tokenizer = TokenizerRecord.of(hf_tokenizer)
+    if tokenizer is None:
+        logger.info("%s: its tokenizer (%s) is read through transformers on every start", folder.name,
+                    type(hf_tokenizer).__name__)
+        return None
+    try:
+        record = StartRecord(json.loads(hf_config.to_json_string(use_diff=False)), tokenizer)
+        reproduced = record.model_config() == model_config
+    except (TypeError, ValueError, AttributeError):  # a config that does not round-trip through JSON
+        reproduced = False
+    if not reproduced:
+        logger.info("%s: its config is read through transformers on every start", folder.name)
+        return None
+    path = record_path(folder)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"format": _FORMAT, "config": record.config, "tokenizer": tokenizer.to_json()}))
+        os.replace(tmp, path)  # readers see the whole record or none
+    except OSError as error:
+        logger.warning("could not write %s (%s); later starts read %s through transformers again", path, error,
+                       folder.name)
+        tmp.unlink(missing_ok=True)
+    return record
+
+
+def _transformers_version() -> str:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
