@@ -87,6 +87,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
     for (int g = 0; g < group; g++) {
         float *row = scores + g * CHUNK;
         float m = row[0];
+        #pragma omp simd reduction(max:m)
         for (int64_t j = 1; j < n; j++) m = row[j] > m ? row[j] : m;
         float total = 0.0f;
         #pragma omp simd reduction(+:total)

@@ -41,9 +41,9 @@ static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f))
 /* exp(x), x clamped to float's range: 2^i * 2^f, f in [-0.5, 0.5], Cephes' polynomial for 2^f.
  * Unlike expf it vectorizes without -ffast-math. */
 static inline float exp_approx(float x) {
-    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
     float t = x * 1.44269504088896341f;
-    float i = roundf(t);
+    float i = (t + 12582912.0f) - 12582912.0f;  /* round to nearest (1.5 * 2^23 trick): vectorizes, unlike roundf */
     float f = t - i;
     float p = 1.535336188319500e-4f;
     p = p * f + 1.339887440266574e-3f;
@@ -54,6 +54,16 @@ static inline float exp_approx(float x) {
     p = p * f + 1.0f;
     union { uint32_t u; float f; } scale = { (uint32_t)((int32_t)i + 127) << 23 };
     return p * scale.f;
+}
+
+/* out = silu(gate) * up, each rounded to bf16 as torch's ops do. */
+static void silu_times(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float g = bf16_to_float(gate[i]);
+        float silu = round_bf16(g / (1.0f + exp_approx(-g)));
+        out[i] = float_to_bf16(silu * bf16_to_float(up[i]));
+    }
 }
 
 /*
@@ -104,8 +114,9 @@ int radixrt_int4_finish_layer_bf16(
     uint16_t *projected = malloc(sizeof(uint16_t) * (size_t)(rows * dim));
     uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(rows * dim));
     uint16_t *gate_up = malloc(sizeof(uint16_t) * (size_t)(rows * 2 * intermediate));
+    uint16_t *activated = malloc(sizeof(uint16_t) * (size_t)(rows * intermediate));
     int status = -1;
-    if (projected == NULL || normed == NULL || gate_up == NULL) goto done;
+    if (projected == NULL || normed == NULL || gate_up == NULL || activated == NULL) goto done;
     status = radixrt_quantized_matmul_bf16(attn, attn_stride, rows, o_tiles, 4, dim, attn_dim, NULL, projected,
                                            num_threads);
     if (status) goto done;
@@ -113,18 +124,10 @@ int radixrt_int4_finish_layer_bf16(
     status = radixrt_quantized_matmul_bf16(normed, dim, rows, gate_up_tiles, 4, 2 * intermediate, dim, NULL, gate_up,
                                            num_threads);
     if (status) goto done;
-    /* silu(gate) * up, written over the gate half: the down projection reads it with the row stride */
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *gate = gate_up + r * 2 * intermediate;
-        const uint16_t *up = gate + intermediate;
-        #pragma omp simd
-        for (int64_t i = 0; i < intermediate; i++) {
-            float g = bf16_to_float(gate[i]);
-            float silu = round_bf16(g / (1.0f + exp_approx(-g)));
-            gate[i] = float_to_bf16(silu * bf16_to_float(up[i]));
-        }
-    }
-    status = radixrt_quantized_matmul_bf16(gate_up, 2 * intermediate, rows, down_tiles, 4, dim, intermediate, NULL,
+    for (int64_t r = 0; r < rows; r++)
+        silu_times(gate_up + r * 2 * intermediate, gate_up + r * 2 * intermediate + intermediate,
+                   activated + r * intermediate, intermediate);
+    status = radixrt_quantized_matmul_bf16(activated, intermediate, rows, down_tiles, 4, dim, intermediate, NULL,
                                            projected, num_threads);
     if (status) goto done;
     for (int64_t r = 0; r < rows * dim; r++)
@@ -133,5 +136,6 @@ done:
     free(projected);
     free(normed);
     free(gate_up);
+    free(activated);
     return status;
 }
