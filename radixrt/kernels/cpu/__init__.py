@@ -50,6 +50,7 @@ from radixrt.paths import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+_HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # No -ffast-math: linking it would switch the whole process to flush-to-zero floats.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
 # Shapes the kernel's fixed-size buffers hold (MAX_GROUP, MAX_HEAD_DIM in the source).
@@ -346,7 +347,7 @@ def _build(compiler: str) -> Path:
     """The shared library for these sources, compiler and CPU, compiled if not cached yet."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in _SOURCES), " ".join(_FLAGS).encode(), version.encode(),
+    for part in (*(source.read_bytes() for source in (*_SOURCES, *_HEADERS)), " ".join(_FLAGS).encode(), version.encode(),
                  _cpu_flags().encode()):
         digest.update(part)
     target = cache_root() / "kernels" / f"radixrt_cpu-{digest.hexdigest()[:16]}.so"

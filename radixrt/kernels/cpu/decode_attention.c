@@ -21,41 +21,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "scalar.h"
+
 #define CHUNK 256
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define PREFETCH_AHEAD 8
-
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
-    return v.f;
-}
-
-/* exp(x) for the softmax (x <= 0): 2^i * 2^f with i = round(x log2 e), f in [-0.5, 0.5] and
- * Cephes' polynomial for 2^f (relative error ~2e-7, far below bf16's). Unlike expf it
- * vectorizes without -ffast-math, which would switch the whole process to flush-to-zero. */
-static inline float exp_nonpositive(float x) {
-    float t = x * 1.4426950408889634f;
-    t = t < -126.0f ? -126.0f : t;
-    float i = floorf(t + 0.5f);
-    float f = t - i;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    union { int32_t i; float f; } two_to_i = { ((int32_t)i + 127) << 23 };
-    return p * two_to_i.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } v = { f };
-    /* round to nearest even, as torch does */
-    uint32_t rounding = 0x7FFF + ((v.u >> 16) & 1);
-    return (uint16_t)((v.u + rounding) >> 16);
-}
 
 /* One item: queries of KV head h of sequence s against keys [k0, k1) of it. Always inlined,
  * so the calls below with a literal head_dim get loops the compiler fully unrolls. */
@@ -92,7 +63,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
         float total = 0.0f;
         #pragma omp simd reduction(+:total)
         for (int64_t j = 0; j < n; j++) {
-            row[j] = exp_nonpositive(row[j] - m);
+            row[j] = exp_approx(row[j] - m);
             total += row[j];
         }
         max_out[g] = m;

@@ -20,41 +20,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "scalar.h"
+
 int radixrt_quantized_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
                                   int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, int num_threads);
 void radixrt_rms_norm_bf16(uint16_t *hidden, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
                            int64_t rows, int64_t dim, float eps, int num_threads);
-
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } v = { f };
-    uint32_t rounding = 0x7FFF + ((v.u >> 16) & 1);  /* round to nearest even, as torch does */
-    return (uint16_t)((v.u + rounding) >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
-
-/* exp(x), x clamped to float's range: 2^i * 2^f, f in [-0.5, 0.5], Cephes' polynomial for 2^f.
- * Unlike expf it vectorizes without -ffast-math. */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    float t = x * 1.44269504088896341f;
-    float i = (t + 12582912.0f) - 12582912.0f;  /* round to nearest (1.5 * 2^23 trick): vectorizes, unlike roundf */
-    float f = t - i;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    union { uint32_t u; float f; } scale = { (uint32_t)((int32_t)i + 127) << 23 };
-    return p * scale.f;
-}
 
 /* out = silu(gate) * up, each rounded to bf16 as torch's ops do. */
 static void silu_times(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {

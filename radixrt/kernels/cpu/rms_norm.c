@@ -14,16 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } v = { f };
-    uint32_t rounding = 0x7FFF + ((v.u >> 16) & 1);  /* round to nearest even, as torch does */
-    return (uint16_t)((v.u + rounding) >> 16);
-}
+#include "scalar.h"
 
 /* out[r] = rms_norm(hidden[r] (+= residual[r] first, in place, when residual is not NULL)) */
 void radixrt_rms_norm_bf16(
