@@ -1,7 +1,7 @@
 """A model folder's config and tokenizer as transformers reads them, recorded so later starts skip transformers.
 
 Importing transformers and reading a folder through it (config, tokenizer)
-took 2-3 s of a 9 s warm start on the project's 2-core machine; the weights
+takes seconds on the project's 2-core machine (docs/model.md); the weights
 never needed it. The first load of a folder still goes through transformers
 and records what it read; later loads build `ModelConfig` and the
 `tokenizer.Tokenizer` from the record alone:

@@ -1,7 +1,7 @@
 """The model's tokenizer, run through the `tokenizers` library without importing transformers.
 
-Importing transformers and building its tokenizer took 2-3 s of a 9 s warm
-start on the project's 2-core machine. A transformers fast tokenizer is a
+Importing transformers and building its tokenizer takes seconds on the
+project's 2-core machine (docs/model.md, "Start records"). A transformers fast tokenizer is a
 `tokenizers.Tokenizer` (Rust) with a thin layer of Python around it, and the
 paths radixrt uses reduce to that layer's state:
 

@@ -24,7 +24,7 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
 
 The sources are compiled together with `-march=native` for this machine,
 cached under `cache_root()/kernels`, and loaded with ctypes (no torch
-headers: building took 0.6-0.75 s on the project's 2-core machine).
+headers: building takes about 3 s on the project's 2-core machine, once).
 Without a C compiler, or if building fails, the accessors return None and
 callers keep torch's path.
 """
