@@ -92,7 +92,9 @@ class Sizes:
 
 
 FULL = Sizes()
-QUICK = Sizes(300, 8, 200, 4, 8, 100, 4, 8, 80, 2, 2, 8)
+QUICK = Sizes(table_tokens=300, table_new_tokens=8, few_shot_prefix_tokens=200, few_shot_questions=4,
+              few_shot_new_tokens=8, fork_tokens=100, fork_samples=4, fork_new_tokens=8, chat_system_tokens=80,
+              chats=2, chat_turns=2, chat_new_tokens=8)
 
 _FIRST = ("Ada", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Keiko", "Liam",
           "Maya", "Nils", "Olga", "Pedro", "Rania", "Stefan", "Tomas", "Vera")

@@ -52,6 +52,18 @@ def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
     assert diff <= 1e-4 * scale, f"max abs diff {diff:.3g} > 1e-4 * {scale:.3g}"
 
 
+def assert_prefill_matches_transformers(
+    hf_model: transformers.PreTrainedModel, model: LlamaForCausalLM, make_runner, length: int
+) -> None:
+    """Every position's logits of one random prompt of `length` tokens, against transformers'."""
+    runner, pool = make_runner(model, num_pages=256)
+    ids = torch.randint(0, hf_model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        reference = hf_model(ids[None]).logits[0]
+    batch = ForwardBatch.build([ids.tolist()], [0], [pool.alloc(length)])
+    assert_logits_close(runner.forward(batch, torch.arange(length)), reference)
+
+
 def ours_from(hf_model: transformers.PreTrainedModel) -> LlamaForCausalLM:
     model = LlamaForCausalLM(ModelConfig.from_hf(hf_model.config))
     model.load_hf_state_dict(hf_model.state_dict())
@@ -64,12 +76,7 @@ def test_prefill_logits_match_transformers(variant, make_tiny_hf_model, make_run
     hf_model = make_tiny_hf_model(architecture, **overrides)
     model = ours_from(hf_model)
     assert torch.equal(model.rope.inv_freq, hf_model.model.rotary_emb.inv_freq)  # rope scaling, bit for bit
-    runner, pool = make_runner(model, num_pages=256)
-    ids = torch.randint(0, hf_model.config.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        reference = hf_model(ids[None]).logits[0]
-    batch = ForwardBatch.build([ids.tolist()], [0], [pool.alloc(100)])
-    assert_logits_close(runner.forward(batch, torch.arange(100)), reference)
+    assert_prefill_matches_transformers(hf_model, model, make_runner, 100)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -25,10 +25,10 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import radixrt
-from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.config import ModelConfig
 from radixrt.model.loader import load_model
 from radixrt.model.rope import RotaryEmbedding, rope_parameters
+from tests.test_model import assert_prefill_matches_transformers
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 _HALF = 16  # head_dim 32 // 2
@@ -83,12 +83,6 @@ PROMPTS = [PREFIX + tail for tail in ([40, 41, 42], [50, 51], [60, 61, 62, 63, 6
 MAX_NEW_TOKENS = 8
 
 
-def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
-    scale = max(1.0, reference.abs().max().item())
-    diff = (ours - reference).abs().max().item()
-    assert diff <= 1e-4 * scale, f"max abs diff {diff:.3g} > 1e-4 * {scale:.3g}"
-
-
 def save_family(
     name: str, folder: Path, make_tiny_hf_model, tokenizer: transformers.PreTrainedTokenizerBase
 ) -> transformers.PreTrainedModel:
@@ -118,12 +112,7 @@ def test_logits_match_transformers(family, tmp_path, make_tiny_hf_model, tiny_to
     else:  # Gemma 3: one table per layer type
         assert torch.equal(model.rope.inv_freq, hf_rope.full_attention_inv_freq)
         assert torch.equal(model.local_rope.inv_freq, hf_rope.sliding_attention_inv_freq)
-    runner, pool = make_runner(model, num_pages=256)
-    ids = torch.randint(0, hf_model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        reference = hf_model(ids[None]).logits[0]
-    batch = ForwardBatch.build([ids.tolist()], [0], [pool.alloc(30)])
-    assert_logits_close(runner.forward(batch, torch.arange(30)), reference)
+    assert_prefill_matches_transformers(hf_model, model, make_runner, 30)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
