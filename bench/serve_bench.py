@@ -84,9 +84,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 import httpx
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -95,6 +97,7 @@ from peers_bench import hf_folder
 
 import radixrt  # noqa: E402
 from radixrt.model.gguf_cache import gguf_to_hf_folder  # noqa: E402
+from radixrt.model.config import ModelConfig  # noqa: E402
 from radixrt.model.loader import bundled_model_path  # noqa: E402
 
 MAX_TOTAL_TOKENS = 65536
@@ -520,9 +523,8 @@ def radixrt_server(log_path: Path) -> Server:
 def kv_cache_bytes(folder: Path, num_tokens: int) -> int:
     """Bytes of a bf16 KV cache for `num_tokens` tokens of the model in `folder`: vLLM sizes its cache in bytes,
     radixrt in tokens."""
-    config = json.loads((folder / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return num_tokens * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
+    config = ModelConfig.from_hf(SimpleNamespace(**json.loads((folder / "config.json").read_text())))
+    return num_tokens * config.kv_shape(torch.bfloat16).bytes_per_token
 
 
 def vllm_server(python: str, extra_args: list[str], log_path: Path) -> Server:

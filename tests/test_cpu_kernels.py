@@ -153,5 +153,6 @@ def test_backend_stores_bfloat16_rows_through_the_c_copy():
     assert backend._store_rows is not None
     batch = ForwardBatch.build([[1, 2, 3]], [0], [torch.tensor([9, 4, 20])])
     q, k, v = (torch.randn(3, heads, 16).bfloat16() for heads in (4, 2, 2))
+    assert backend._store_rows.takes(k, batch.out_slots), "these rows take the C copy, not the fallback"
     backend.forward(q, k, v, 0, batch, backend.plan(batch))
     assert torch.equal(cache.k[0][[9, 4, 20]], k) and torch.equal(cache.v[0][[9, 4, 20]], v)

@@ -303,19 +303,31 @@ def test_small_steps_run_on_fewer_threads_and_the_thread_count_is_restored():
 def test_runner_sets_threads_per_step_and_restores_them(tiny_llama_dir):
     import torch
 
-    before = torch.get_num_threads()
-    seen = []
-    with Runtime(tiny_llama_dir, dtype="float32", small_step_threads=1, small_step_tokens=4) as rt:
-        runner = rt.engine.runner
-        forward = runner.model.forward
+    from radixrt.model import runner as runner_module
 
-        def spy(batch, backend, plan):
-            seen.append((batch.num_tokens, torch.get_num_threads()))
-            return forward(batch, backend, plan)
+    # Two threads, whatever the environment gives: with one, "small steps get 1" and "large
+    # steps get the process's count" would hold without the runner doing anything.
+    outside = torch.get_num_threads()
+    torch.set_num_threads(2)
+    runner_module._process_threads.cache_clear()  # the process's count, as a runtime made now sees it
+    try:
+        before = torch.get_num_threads()
+        seen = []
+        with Runtime(tiny_llama_dir, dtype="float32", small_step_threads=1, small_step_tokens=4) as rt:
+            runner = rt.engine.runner
+            forward = runner.model.forward
 
-        runner.model.forward = spy
-        rt.generate("a prompt of more than four tokens, surely", {"max_new_tokens": 3, "temperature": 0})
-    assert torch.get_num_threads() == before
+            def spy(batch, backend, plan):
+                seen.append((batch.num_tokens, torch.get_num_threads()))
+                return forward(batch, backend, plan)
+
+            runner.model.forward = spy
+            rt.generate("a prompt of more than four tokens, surely", {"max_new_tokens": 3, "temperature": 0})
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(outside)
+        runner_module._process_threads.cache_clear()
+    assert after == before
     assert all(threads == 1 for tokens, threads in seen if tokens <= 4)
     assert all(threads == before for tokens, threads in seen if tokens > 4)
     assert any(tokens > 4 for tokens, _ in seen) and any(tokens <= 4 for tokens, _ in seen)

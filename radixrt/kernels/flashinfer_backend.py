@@ -133,7 +133,6 @@ class FlashInferAttentionBackend(AttentionBackend["FlashInferPlan"]):
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=kv_cache.device)
         self._flashinfer = flashinfer
         self._wrappers: dict[LayerAttention, tuple[Any, Any]] = {}
-        self._wrappers_for(FULL_ATTENTION)
 
     def _wrappers_for(self, attention: LayerAttention) -> tuple[Any, Any]:
         """The (prefill, decode) wrappers that plan and run layers attending as `attention`."""

@@ -223,6 +223,11 @@ class LlamaForCausalLM(nn.Module):
         self.local_rope = None
         if config.local_rope_theta is not None:
             self.local_rope = RotaryEmbedding(config.rotary_dim, config.local_rope_theta, None, device)
+        local_rope = self.local_rope
+        self._layer_ropes = [
+            local_rope if local_rope is not None and config.is_sliding_layer(i) else self.rope
+            for i in range(config.num_layers)
+        ]
         self._lm_head = linear.plain(self.lm_head)
 
     def prepack(self) -> None:
@@ -275,13 +280,12 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
-        ropes = {False: self.rope} if self.local_rope is None else {False: self.rope, True: self.local_rope}
-        tables = {local: rope.cos_sin(batch.positions, self.dtype) for local, rope in ropes.items()}
-        for layer in self.layers:
+        # each distinct rope's tables once a step (Gemma 3: one for full layers, one for sliding ones)
+        tables = {rope: rope.cos_sin(batch.positions, self.dtype) for rope in dict.fromkeys(self._layer_ropes)}
+        for layer, rope in zip(self.layers, self._layer_ropes):
             assert isinstance(layer, LlamaDecoderLayer)
-            local = self.local_rope is not None and self.config.is_sliding_layer(layer.index)
-            cos, signed_sin = tables[local]
-            hidden = layer.forward(hidden, cos, signed_sin, ropes[local], batch, backend, plans[layer.attention])
+            cos, signed_sin = tables[rope]
+            hidden = layer.forward(hidden, cos, signed_sin, rope, batch, backend, plans[layer.attention])
         return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ def rope_parameters(head_dim: int, theta: float, scaling: RopeScaling | None) ->
     if rope_type == "llama3":
         return _llama3_scaled(1.0 / (theta ** _exponents(head_dim)), scaling), 1.0
     if rope_type == "dynamic":
-        return _dynamic_ntk(head_dim, theta, scaling, scaling.original_max_position_embeddings), 1.0
+        return _dynamic_ntk_within_training(head_dim, theta, scaling), 1.0
     if rope_type == "yarn":
         return _yarn(head_dim, theta, scaling)
     assert rope_type == "longrope", rope_type
@@ -61,11 +61,12 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _dynamic_ntk(head_dim: int, theta: float, scaling: RopeScaling, seq_len: int) -> torch.Tensor:
-    """NTK-aware scaling: a larger base for sequences past the trained length (none within it)."""
+def _dynamic_ntk_within_training(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """NTK-aware frequencies for sequences within the trained length (the base formula at that length,
+    computed rather than taken as `theta`, so its float rounding is transformers'; longer sequences
+    take `RotaryEmbedding._dynamic_per_token`)."""
     trained = scaling.original_max_position_embeddings
-    seq_len = max(seq_len, trained)
-    base = theta * ((scaling.factor * seq_len / trained) - (scaling.factor - 1)) ** (head_dim / (head_dim - 2))
+    base = theta * ((scaling.factor * trained / trained) - (scaling.factor - 1)) ** (head_dim / (head_dim - 2))
     return 1.0 / (base ** _exponents(head_dim))
 
 

@@ -21,6 +21,7 @@ tokenizer does.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,13 +75,7 @@ class TokenizerRecord:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "backend_json": self.backend_json,
-            "chat_template": self.chat_template,
-            "special_tokens_map": self.special_tokens_map,
-            "special_ids": self.special_ids,
-            "all_special_ids": self.all_special_ids,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TokenizerRecord:
