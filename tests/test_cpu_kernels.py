@@ -42,20 +42,20 @@ def test_kernel_matches_softmax_reference(lens, heads, seed):
     kv_indices = torch.randperm(num_slots, generator=generator)[: sum(lens)]
     kv_lens = torch.tensor(lens)
     kv_starts = torch.cumsum(kv_lens, 0) - kv_lens
-    # q rows are strided (a view into a wider qkv row) and out rows are permuted
+    # q rows are strided (a view into a wider qkv row); sequences take their rows in a permuted order
     qkv = torch.randn(len(lens), num_q_heads + 2 * num_kv_heads, head_dim, generator=generator).bfloat16()
     q = qkv[:, :num_q_heads]
     rows = torch.randperm(len(lens), generator=generator)
     out = torch.zeros(len(lens), num_q_heads, head_dim, dtype=torch.bfloat16)
     lse = torch.zeros(len(lens), num_q_heads)
     scale = head_dim**-0.5
-    kernel()(q, k_pool, v_pool, kv_indices, kv_starts, kv_lens, torch.arange(len(lens)), rows, out, lse, scale)
+    kernel()(q, k_pool, v_pool, kv_indices, kv_starts, kv_lens, rows, out, lse, scale)
     group = num_q_heads // num_kv_heads
     for i, (start, length) in enumerate(zip(kv_starts.tolist(), lens)):
         slots = kv_indices[start : start + length]
         keys = k_pool[slots].float().repeat_interleave(group, dim=1)
         values = v_pool[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,shd->hs", q[i].float(), keys) * scale
+        scores = torch.einsum("hd,shd->hs", q[rows[i]].float(), keys) * scale
         expected = torch.einsum("hs,shd->hd", scores.softmax(-1), values)
         torch.testing.assert_close(out[rows[i]].float(), expected, atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(lse[rows[i]], scores.logsumexp(-1), atol=1e-4, rtol=1e-5)

@@ -88,7 +88,7 @@ class _PagedDecode:
     with_lse: bool
     kv_starts: torch.Tensor  # [num_seqs] int64
     kv_lens: torch.Tensor  # [num_seqs] int64
-    q_rows: torch.Tensor  # [num_seqs] int64, each sequence's row in the batch's new tokens
+    q_rows: torch.Tensor  # [num_seqs] int64, each sequence's row in the batch's new tokens (and in the output)
     whole_batch: bool  # the batch's only sequences, in row order
 
     @property
@@ -120,6 +120,12 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
             self.num_q_heads, self.num_kv_heads, self.head_dim, shape.dtype
         )
         self._decode_kernel = cpu.decode_attention() if usable else None
+
+    @property
+    def reads_pool_in_place(self) -> bool:
+        """Whether radixrt's C attention reads this pool (bf16, on a CPU where the kernels built):
+        the condition for a whole-step kernel (`LlamaForCausalLM`) to attend in its place."""
+        return self._decode_kernel is not None
 
     def plan(self, batch: ForwardBatch, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:
         device = self.kv_cache.device
@@ -187,7 +193,7 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
                 target, lse = (tail_out, tail_lse) if group.with_lse else (out, None)
                 assert target is not None
                 self._decode_kernel(q, k_pool, v_pool, batch.kv_indices, group.kv_starts, group.kv_lens,
-                                    group.q_rows, group.out_rows, target, lse, scale)
+                                    group.q_rows, target, lse, scale)
                 if group.whole_batch:
                     return target
                 continue

@@ -1,4 +1,4 @@
-"""Decode-sized steps of a Llama layer on native 4-bit weights, in two C calls around attention.
+"""Decode-sized steps of a Llama model on native 4-bit weights, in C.
 
 A batch-1 decode step of the bundled model is ~30 small torch ops a layer;
 their dispatch and allocations cost more than the arithmetic. With radixrt's
@@ -6,16 +6,26 @@ their dispatch and allocations cost more than the arithmetic. With radixrt's
 full rotary) runs its norms, projections, RoPE, SwiGLU and residual adds in
 `kernels/cpu/int4_layer.c`, rounding to bf16 where the torch layer does; only
 attention stays with the backend, so every backend and attention variant
-still applies.
+still applies (`Int4LayerSteps`).
+
+When every layer is such a layer and attends fully (no window, no score cap),
+and the attention is radixrt's own C attention over a bf16 pool, the whole
+stack of layers runs in one call (`Int4DecodeStack`, `kernels/cpu/decode_stack.c`):
+the same arithmetic, the threads forked once a step instead of once an op.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from radixrt.kernels import cpu
+from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.kernels.segments import AttentionSegments
+from radixrt.memory.kv_cache import KVCache
 from radixrt.model.gguf_int4 import Int4Weight
 
 
@@ -62,3 +72,52 @@ class Int4LayerSteps:
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """`hidden` with the attention output's projection and the MLP added, in place."""
         return self.kernels.finish(hidden, attn, self.o, self.post_attention_norm, self.eps, self.gate_up, self.down)
+
+
+class Int4DecodeStack:
+    """Every layer's `Int4LayerSteps` run as one C call (see the module docstring)."""
+
+    def __init__(self, kernel: cpu.DecodeStack, layers: Sequence[Int4LayerSteps], intermediate: int):
+        self._kernel = kernel
+        self._layers = tuple(layers)  # keeps alive the weights the address table points at
+        self._weights = torch.tensor(
+            [[layer.input_norm.data_ptr(), layer.qkv.data.data_ptr(), layer.o.data.data_ptr(),
+              layer.post_attention_norm.data_ptr(), layer.gate_up.data.data_ptr(), layer.down.data.data_ptr()]
+             for layer in self._layers], dtype=torch.int64,
+        )  # fmt: skip
+        self._intermediate = intermediate
+        # the last pools' address tables, for as long as those pools live
+        self._pools: tuple[weakref.ref[KVCache], torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def create(layers: Sequence[Int4LayerSteps | None], intermediate: int) -> Int4DecodeStack | None:
+        """The stack over these layers, or None unless every layer has its 4-bit steps (alike in
+        heads and norm epsilon) and the kernel built."""
+        kernel = cpu.decode_stack()
+        steps = [layer for layer in layers if layer is not None]
+        if kernel is None or not steps or len(steps) != len(layers):
+            return None
+        if len({(layer.heads, layer.eps) for layer in steps}) != 1:
+            return None
+        return Int4DecodeStack(kernel, steps, intermediate)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, batch: ForwardBatch,
+        kv_cache: KVCache, segments: AttentionSegments, scale: float,
+    ) -> torch.Tensor:
+        """`hidden` [T, dim] through every layer, in place; each layer's new K/V stored at
+        `batch.out_slots` and attended with `segments`. cos and signed_sin: [T, head_dim]."""
+        k_pools, v_pools = self._pool_addresses(kv_cache)
+        first = self._layers[0]
+        return self._kernel(
+            hidden, self._weights, k_pools, v_pools, kv_cache.k[0].shape[0], first.eps, first.heads,
+            self._intermediate, scale, cos, signed_sin, batch.out_slots, batch.kv_indices,
+            (segments.starts, segments.lens, segments.row_ptr, segments.rows),
+        )  # fmt: skip
+
+    def _pool_addresses(self, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pools is None or self._pools[0]() is not kv_cache:
+            k = torch.tensor([pool.data_ptr() for pool in kv_cache.k], dtype=torch.int64)
+            v = torch.tensor([pool.data_ptr() for pool in kv_cache.v], dtype=torch.int64)
+            self._pools = (weakref.ref(kv_cache), k, v)
+        return self._pools[1], self._pools[2]

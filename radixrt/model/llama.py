@@ -14,11 +14,16 @@ sublayers, GeGLU, scaled embeddings, soft-capping; the arithmetic is in
 attend differently (a sliding window on some, a softmax scale, a score cap):
 each layer has its `LayerAttention`, and `plan_attention` plans the step once
 per distinct one.
+
+On native 4-bit weights, a step of at most `INT4_MAX_ROWS` tokens through
+radixrt's C attention runs every layer in one C call instead
+(`Int4DecodeStack`): `plan_attention` then returns a `StackedStep`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -28,10 +33,12 @@ from torch import nn
 from radixrt.kernels import cpu
 from radixrt.kernels.base import AttentionBackend, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.kernels.segments import AttentionSegments, attention_segments
+from radixrt.kernels.torch_backend import TorchAttentionBackend
 from radixrt.model import gemma, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_int4 import Int4Weight, NativeWeights
-from radixrt.model.int4_layer import Int4LayerSteps
+from radixrt.model.int4_layer import Int4DecodeStack, Int4LayerSteps
 from radixrt.model.rope import RotaryEmbedding
 
 
@@ -42,6 +49,17 @@ INT4_MAX_ROWS = 16
 
 
 RMSNorm = Callable[..., torch.Tensor]  # (hidden, weight, eps, residual=None) -> normed
+
+
+@dataclass(frozen=True)
+class StackedStep:
+    """The plan of a step `Int4DecodeStack` runs: its attention as segments, and the softmax scale."""
+
+    segments: AttentionSegments
+    scale: float
+
+
+StepPlan = Mapping[LayerAttention, Any] | StackedStep
 
 
 def _torch_rms_norm(
@@ -98,7 +116,7 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, device=device, dtype=dtype)
         self.down_proj = _weight(hidden, config.intermediate_size, device=device, dtype=dtype)
         self._bind_linears(linear.plain)
-        self._int4_steps: Int4LayerSteps | None = None  # decode-sized steps in C (`use_int4`)
+        self.int4_steps: Int4LayerSteps | None = None  # decode-sized steps in C (`use_int4`)
 
     def _bind_linears(self, make: Callable[..., linear.Linear]) -> None:
         self.qkv = make(self.qkv_proj, self.qkv_bias)
@@ -121,11 +139,11 @@ class LlamaDecoderLayer(nn.Module):
                        and self.pre_feedforward_norm is None and self.activation is F.silu
                        and config.rotary_dim == config.head_dim and config.local_rope_theta is None)
         if plain_llama:
-            self._int4_steps = Int4LayerSteps.create(
+            self.int4_steps = Int4LayerSteps.create(
                 weights, self.input_norm, self.post_attention_norm, config.rms_norm_eps, config.num_heads,
                 config.num_kv_heads, config.head_dim,
             )  # fmt: skip
-            if self._int4_steps is not None:
+            if self.int4_steps is not None:
                 return  # the dense projections stay for larger steps
         dtype = self.input_norm.dtype
         rows = INT4_MAX_ROWS
@@ -146,8 +164,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         config = self.config
         num_tokens = hidden.shape[0]
-        if self._int4_steps is not None and num_tokens <= INT4_MAX_ROWS:
-            return self._int4_forward(self._int4_steps, hidden, cos, signed_sin, batch, backend, plan)
+        if self.int4_steps is not None and num_tokens <= INT4_MAX_ROWS:
+            return self._int4_forward(self.int4_steps, hidden, cos, signed_sin, batch, backend, plan)
         x = self.rms_norm(hidden, self.input_norm, config.rms_norm_eps)
         qkv = self.qkv(x).view(num_tokens, -1, config.head_dim)
         num_qk_heads = config.num_heads + config.num_kv_heads
@@ -229,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_layers)
         ]
         self._lm_head = linear.plain(self.lm_head)
+        self._stack: Int4DecodeStack | None = None  # set by use_int4_projections where it applies
 
     def prepack(self) -> None:
         """Call once the weights are loaded: faster projections, identical results."""
@@ -250,6 +269,11 @@ class LlamaForCausalLM(nn.Module):
         for layer, weights in zip(self.layers, native.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.use_int4(weights)
+        attention = {layer.attention for layer in self._decoder_layers()}
+        if len(attention) == 1 and next(iter(attention)).sliding_window is None \
+                and next(iter(attention)).logit_softcap is None:
+            steps = [layer.int4_steps for layer in self._decoder_layers()]
+            self._stack = Int4DecodeStack.create(steps, self.config.intermediate_size)
         head = native.lm_head
         if head is not None:
             if head.shape != tuple(self.lm_head.shape):
@@ -264,14 +288,22 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
 
-    def plan_attention(self, batch: ForwardBatch, backend: AttentionBackend[Any]) -> dict[LayerAttention, Any]:
-        """`backend`'s plans of this batch, one per distinct `LayerAttention` of the layers."""
-        kinds = dict.fromkeys(layer.attention for layer in self.layers if isinstance(layer, LlamaDecoderLayer))
+    def _decoder_layers(self) -> list[LlamaDecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
+
+    def plan_attention(self, batch: ForwardBatch, backend: AttentionBackend[Any]) -> StepPlan:
+        """`backend`'s plans of this batch, one per distinct `LayerAttention` of the layers; or,
+        for a step the whole-stack kernel takes, its `StackedStep`."""
+        kinds = dict.fromkeys(layer.attention for layer in self._decoder_layers())
+        stacked = (self._stack is not None and batch.num_tokens <= INT4_MAX_ROWS
+                   and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place)
+        if stacked:
+            (attention,) = kinds
+            segments = attention_segments(batch, backend.shared_prefix_min_tokens)
+            return StackedStep(segments, backend.softmax_scale(attention))
         return {kind: backend.plan(batch, kind) for kind in kinds}
 
-    def forward(
-        self, batch: ForwardBatch, backend: AttentionBackend[Any], plans: Mapping[LayerAttention, Any]
-    ) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend[Any], plans: StepPlan) -> torch.Tensor:
         """Hidden states after the final norm, [batch.num_tokens, hidden_size].
 
         `plans` must be `plan_attention(batch, backend)` for this very batch;
@@ -282,10 +314,16 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * self.embedding_scale
         # each distinct rope's tables once a step (Gemma 3: one for full layers, one for sliding ones)
         tables = {rope: rope.cos_sin(batch.positions, self.dtype) for rope in dict.fromkeys(self._layer_ropes)}
-        for layer, rope in zip(self.layers, self._layer_ropes):
-            assert isinstance(layer, LlamaDecoderLayer)
-            cos, signed_sin = tables[rope]
-            hidden = layer.forward(hidden, cos, signed_sin, rope, batch, backend, plans[layer.attention])
+        if isinstance(plans, StackedStep):
+            assert self._stack is not None
+            cos, signed_sin = tables[self.rope]
+            num_tokens = batch.num_tokens
+            hidden = self._stack.forward(hidden, cos.view(num_tokens, -1), signed_sin.view(num_tokens, -1), batch,
+                                         backend.kv_cache, plans.segments, plans.scale)
+        else:
+            for layer, rope in zip(self._decoder_layers(), self._layer_ropes):
+                cos, signed_sin = tables[rope]
+                hidden = layer.forward(hidden, cos, signed_sin, rope, batch, backend, plans[layer.attention])
         return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

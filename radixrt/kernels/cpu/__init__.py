@@ -21,6 +21,9 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
     int4_layer.c        a 4-bit Llama layer's work around attention (norms,
                         projections, RoPE, SwiGLU, residuals) in two calls
                         instead of about thirty ops, for decode-sized steps.
+    decode_stack.c      all layers of such a model for a step of a few tokens
+                        in one call: threads forked once a step, not once an
+                        op, and no Python between the layers.
 
 The sources are compiled together with `-march=native` for this machine,
 cached under `cache_root()/kernels`, and loaded with ctypes (no torch
@@ -68,11 +71,11 @@ class DecodeAttention:
         self._fn = library.radixrt_decode_attention_bf16
         pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._fn.argtypes = [
-            pointer, i64, pointer,  # q, q_row_stride, q_rows
+            pointer, i64, pointer,  # q, q_row_stride, rows
             pointer, pointer,  # k_pool, v_pool
             pointer, pointer, pointer,  # kv_indices, kv_starts, kv_lens
             i32, i32, i32, i32, ctypes.c_float, i32,  # num_seqs, Hq, Hkv, D, scale, num_threads
-            pointer, pointer, pointer,  # out_rows, out, lse
+            pointer, pointer,  # out, lse
         ]
         self._fn.restype = i32
 
@@ -84,29 +87,30 @@ class DecodeAttention:
         kv_indices: torch.Tensor,
         kv_starts: torch.Tensor,
         kv_lens: torch.Tensor,
-        q_rows: torch.Tensor,
-        out_rows: torch.Tensor,
+        rows: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor | None,
         scale: float,
     ) -> None:
-        """Attention of the query rows `q[q_rows[s]]` ([*, Hq, D] bf16, head stride D) over the
-        pool slots `kv_indices[kv_starts[s]:][:kv_lens[s]]`, written to `out[out_rows[s]]`
-        ([*, Hq, D] bf16, contiguous) and, if given, natural-log `lse[out_rows[s]]` ([*, Hq] fp32).
+        """Attention of the query rows `q[rows[s]]` ([*, Hq, D] bf16, head stride D) over the
+        pool slots `kv_indices[kv_starts[s]:][:kv_lens[s]]`, written to `out[rows[s]]`
+        ([*, Hq, D] bf16, contiguous) and, if given, natural-log `lse[rows[s]]` ([*, Hq] fp32).
 
         Index tensors are int64 and contiguous; the caller keeps every tensor alive and checks
         shapes (`supports`): the kernel trusts them.
         """
         num_q_heads, head_dim = q.shape[1], q.shape[2]
         status = self._fn(
-            q.data_ptr(), q.stride(0), q_rows.data_ptr(),
+            q.data_ptr(), q.stride(0), rows.data_ptr(),
             k_pool.data_ptr(), v_pool.data_ptr(),
             kv_indices.data_ptr(), kv_starts.data_ptr(), kv_lens.data_ptr(),
             kv_starts.numel(), num_q_heads, k_pool.shape[1], head_dim, scale, torch.get_num_threads(),
-            out_rows.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+            out.data_ptr(), 0 if lse is None else lse.data_ptr(),
         )  # fmt: skip
-        if status:
+        if status == -1:
             raise ValueError(f"decode attention kernel refused shapes q {tuple(q.shape)}, pool {tuple(k_pool.shape)}")
+        if status:
+            raise MemoryError("decode attention kernel could not allocate its partial results")
 
 
 def supports(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -265,6 +269,58 @@ class Int4Layer:
         return hidden
 
 
+class DecodeStack:
+    """`decode_stack.c`: every layer of a plain Llama model on `pack_int4`ed weights, for a step of
+    a few new tokens, in one call."""
+
+    WEIGHTS_PER_LAYER = 6  # input norm, qkv, o, post-attention norm, gate_up, down
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.radixrt_int4_decode_stack_bf16
+        pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._fn.argtypes = [
+            pointer, i64, i64, i32, pointer,  # hidden, rows, dim, num_layers, layer weights
+            pointer, pointer, i64,  # k pools, v pools, num_slots
+            f32, i32, i32, i32, i64, f32,  # eps, Hq, Hkv, D, intermediate, scale
+            pointer, pointer, pointer, pointer,  # cos, signed_sin, out_slots, kv_indices
+            i32, pointer, pointer, pointer, pointer, i32,  # segments: count, starts, lens, row_ptr, rows; threads
+        ]
+        self._fn.restype = i32
+
+    def __call__(
+        self, hidden: torch.Tensor, layer_weights: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor,
+        num_slots: int, eps: float, heads: tuple[int, int, int], intermediate: int, scale: float,
+        cos: torch.Tensor, signed_sin: torch.Tensor, out_slots: torch.Tensor, kv_indices: torch.Tensor,
+        segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """`hidden` ([T, dim] bf16, contiguous) through every layer, in place; returned.
+
+        layer_weights: [layers, 6] int64 addresses (see WEIGHTS_PER_LAYER; the caller keeps
+        them alive); k_pools, v_pools: [layers] int64 addresses of [num_slots, Hkv, D] bf16 pools;
+        heads: (Hq, Hkv, D); cos, signed_sin: [T, D] bf16; out_slots: [T], each row's new K/V slot;
+        segments: (starts, lens, row_ptr, rows) over kv_indices, as `kernels.segments` builds
+        them. Every index tensor int64 and contiguous. Raises IndexError, computing nothing, for a
+        slot outside the pools.
+        """
+        num_q_heads, num_kv_heads, head_dim = heads
+        starts, lens, row_ptr, rows = segments
+        status = self._fn(
+            hidden.data_ptr(), hidden.shape[0], hidden.shape[1], layer_weights.shape[0], layer_weights.data_ptr(),
+            k_pools.data_ptr(), v_pools.data_ptr(), num_slots,
+            eps, num_q_heads, num_kv_heads, head_dim, intermediate, scale,
+            cos.data_ptr(), signed_sin.data_ptr(), out_slots.data_ptr(), kv_indices.data_ptr(),
+            starts.numel(), starts.data_ptr(), lens.data_ptr(), row_ptr.data_ptr(), rows.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status == -3:
+            raise IndexError(f"a K/V slot is outside the pool of {num_slots} slots")
+        if status == -1:
+            raise ValueError(f"decode stack kernel refused heads {heads}")
+        if status:
+            raise MemoryError("decode stack kernel could not allocate its buffers")
+        return hidden
+
+
 class KVStore:
     """`radixrt_store_kv_bf16`: K and V rows ([T, H, D] bf16, each row's heads contiguous) into
     pool slots ([slots, H, D] bf16, contiguous)."""
@@ -318,6 +374,12 @@ def int4_layer() -> Int4Layer | None:
     """The compiled 4-bit layer parts; None wherever `quantized_matmul` is."""
     library = _load()
     return None if library is None or not library.radixrt_quantized_matmul_available() else Int4Layer(library)
+
+
+def decode_stack() -> DecodeStack | None:
+    """The compiled whole-step kernel; None wherever `quantized_matmul` is."""
+    library = _load()
+    return None if library is None or not library.radixrt_quantized_matmul_available() else DecodeStack(library)
 
 
 def _load() -> ctypes.CDLL | None:

@@ -1,16 +1,20 @@
 /*
  * Decode attention over the paged KV pool, bf16, for the CPU.
  *
- * One new query token per sequence attends its keys where they sit in the
- * pool (no gather copy, no padding): slots kv_indices[kv_starts[s] ...
- * kv_starts[s] + kv_lens[s]). The G query heads that share a KV head are
- * computed together, so each key and value is read once per KV head. Dot
- * products and the softmax run in float32.
+ * Query rows attend keys where they sit in the pool (no gather copy, no
+ * padding). The keys come as segments (kernels.h): runs of pool slots, each
+ * with the query rows that see all of it. A plain decode is one segment per
+ * sequence, its slots and its new token; a shared prefix is one segment for
+ * all its sequences' rows, so its keys are read once for all of them.
+ * The G query heads that share a KV head are computed together, so each key
+ * and value is read once per KV head and block of rows. Dot products and the
+ * softmax run in float32.
  *
- * Work is split into (sequence, KV head, chunk of keys) items so that one
- * long sequence still keeps every thread busy; each item leaves a partial
- * result (running max, sum of exponentials, unnormalised output), and a
- * second pass merges a sequence's chunks by their log-sum-exps.
+ * Work is split into (segment, KV head, chunk of keys, block of rows) items
+ * so that one long sequence still keeps every thread busy; each item leaves
+ * partial results (running max, sum of exponentials, unnormalised output),
+ * and a second pass merges each row's partials, over its segments and their
+ * chunks in order, by their log-sum-exps.
  *
  * Layouts: q rows are [Hq, D] with head stride D and row stride q_row_stride
  * (elements); the pools are [slots, Hkv, D]; out rows are [Hq, D], contiguous;
@@ -21,11 +25,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "scalar.h"
 
 #define CHUNK 256
-#define MAX_GROUP 16
-#define MAX_HEAD_DIM 256
 #define PREFETCH_AHEAD 8
 
 /* One item: queries of KV head h of sequence s against keys [k0, k1) of it. Always inlined,
@@ -88,84 +91,199 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
 }
 
-/* Returns 0, or -1 for shapes this kernel was not built for (the caller checks them first). */
+struct AttentionWork {
+    Segments seg;
+    int group, block_rows;  /* G query heads per KV head; rows per item (block_rows * G <= MAX_GROUP) */
+    int64_t num_items;
+    int64_t *items;  /* [num_items, 4]: segment, KV head, chunk, first row of the block (in the segment) */
+    int64_t *part_offset;  /* [num_segments]: the segment's first partial vector */
+    /* merge: the distinct rows, and for each its (segment, position in the segment) entries in order */
+    int64_t num_merge_rows;
+    int64_t *merge_rows, *entry_ptr, *entry_segment, *entry_position;
+    float *maxes, *sums, *accs;  /* one per partial vector: (segment, chunk, KV head, row, g) */
+};
+
+static int64_t chunks_of(int64_t len) { return (len + CHUNK - 1) / CHUNK; }
+
+static int64_t segment_rows(const Segments *seg, int s) { return seg->row_ptr[s + 1] - seg->row_ptr[s]; }
+
+/* Partial vector of (segment s, chunk c, KV head h, row p of the segment, g). */
+static int64_t part_index(const AttentionWork *w, int s, int64_t c, int h, int64_t p, int g) {
+    return w->part_offset[s] + ((c * w->seg.num_kv_heads + h) * segment_rows(&w->seg, s) + p) * w->group + g;
+}
+
+void radixrt_attention_work_free(AttentionWork *w) {
+    if (w == NULL) return;
+    free(w->items);
+    free(w->part_offset);
+    free(w->merge_rows);
+    free(w->entry_ptr);
+    free(w->entry_segment);
+    free(w->entry_position);
+    free(w->maxes);
+    free(w->sums);
+    free(w->accs);
+    free(w);
+}
+
+AttentionWork *radixrt_attention_work_new(const Segments *seg) {
+    AttentionWork *w = calloc(1, sizeof(AttentionWork));
+    if (w == NULL) return NULL;
+    w->seg = *seg;
+    w->group = seg->num_q_heads / seg->num_kv_heads;
+    w->block_rows = MAX_GROUP / w->group;
+    const int hkv = seg->num_kv_heads;
+    int64_t num_items = 0, num_vectors = 0, num_entries = seg->row_ptr[seg->num_segments], max_row = -1;
+    w->part_offset = malloc(sizeof(int64_t) * (seg->num_segments + 1));
+    if (w->part_offset == NULL) goto fail;
+    for (int s = 0; s < seg->num_segments; s++) {
+        int64_t rows = segment_rows(seg, s), chunks = chunks_of(seg->lens[s]);
+        num_items += chunks * hkv * ((rows + w->block_rows - 1) / w->block_rows);
+        w->part_offset[s] = num_vectors;
+        num_vectors += chunks * hkv * rows * w->group;
+    }
+    for (int64_t e = 0; e < num_entries; e++) max_row = seg->rows[e] > max_row ? seg->rows[e] : max_row;
+    w->num_items = num_items;
+    w->items = malloc(sizeof(int64_t) * 4 * (num_items + 1));
+    w->maxes = malloc(sizeof(float) * (num_vectors + 1));
+    w->sums = malloc(sizeof(float) * (num_vectors + 1));
+    w->accs = malloc(sizeof(float) * (num_vectors + 1) * seg->head_dim);
+    w->merge_rows = malloc(sizeof(int64_t) * (num_entries + 1));
+    w->entry_ptr = calloc(max_row + 2, sizeof(int64_t));  /* first a count per row, then its CSR offsets */
+    w->entry_segment = malloc(sizeof(int64_t) * (num_entries + 1));
+    w->entry_position = malloc(sizeof(int64_t) * (num_entries + 1));
+    if (!w->items || !w->maxes || !w->sums || !w->accs || !w->merge_rows || !w->entry_ptr || !w->entry_segment ||
+        !w->entry_position)
+        goto fail;
+    int64_t item = 0;
+    for (int s = 0; s < seg->num_segments; s++) {
+        int64_t rows = segment_rows(seg, s), chunks = chunks_of(seg->lens[s]);
+        for (int h = 0; h < hkv; h++)
+            for (int64_t c = 0; c < chunks; c++)
+                for (int64_t p = 0; p < rows; p += w->block_rows, item++) {
+                    int64_t *it = w->items + 4 * item;
+                    it[0] = s, it[1] = h, it[2] = c, it[3] = p;
+                }
+    }
+    /* each row's entries in segment order: count, offsets, fill; rows in order of first appearance */
+    int64_t *count = w->entry_ptr + 1;
+    for (int64_t e = 0; e < num_entries; e++) {
+        int64_t row = seg->rows[e];
+        if (count[row]++ == 0) w->merge_rows[w->num_merge_rows++] = row;
+    }
+    for (int64_t r = 0; r <= max_row; r++) w->entry_ptr[r + 1] += w->entry_ptr[r];
+    int64_t *fill = calloc(max_row + 1, sizeof(int64_t));
+    if (fill == NULL) goto fail;
+    for (int s = 0; s < seg->num_segments; s++)
+        for (int64_t p = 0; p < segment_rows(seg, s); p++) {
+            int64_t row = seg->rows[seg->row_ptr[s] + p], at = w->entry_ptr[row] + fill[row]++;
+            w->entry_segment[at] = s;
+            w->entry_position[at] = p;
+        }
+    free(fill);
+    return w;
+fail:
+    radixrt_attention_work_free(w);
+    return NULL;
+}
+
+/* One item's partial results. */
+static void run_item(AttentionWork *w, int64_t item, const uint16_t *q, int64_t q_row_stride,
+                     const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *kv_indices, float scale) {
+    const Segments *seg = &w->seg;
+    const int64_t *it = w->items + 4 * item;
+    const int s = (int)it[0], h = (int)it[1];
+    const int64_t c = it[2], p0 = it[3], rows = segment_rows(seg, s);
+    const int nb = (int)(p0 + w->block_rows <= rows ? w->block_rows : rows - p0);
+    const int group = w->group, head_dim = seg->head_dim, vectors = nb * group;
+    float qf[MAX_GROUP * MAX_HEAD_DIM];
+    for (int b = 0; b < nb; b++) {
+        const uint16_t *qs = q + seg->rows[seg->row_ptr[s] + p0 + b] * q_row_stride + (int64_t)h * group * head_dim;
+        for (int i = 0; i < group * head_dim; i++) qf[b * group * head_dim + i] = bf16_to_float(qs[i]) * scale;
+    }
+    const int64_t k0 = c * CHUNK, k1 = k0 + CHUNK < seg->lens[s] ? k0 + CHUNK : seg->lens[s];
+    const int64_t *slots = kv_indices + seg->starts[s];
+    const int64_t first = part_index(w, s, c, h, p0, 0);
+    float *m = w->maxes + first, *l = w->sums + first, *acc = w->accs + first * head_dim;
+    const int hkv = seg->num_kv_heads;
+    switch (head_dim) {
+    case 64: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 64, vectors, m, l, acc); break;
+    case 128: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 128, vectors, m, l, acc); break;
+    default: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, head_dim, vectors, m, l, acc);
+    }
+}
+
+/* Row `row`, KV head h: its partials over its segments and their chunks, in order, merged. */
+static void merge_row(const AttentionWork *w, int64_t row, int h, uint16_t *out, float *lse) {
+    const Segments *seg = &w->seg;
+    const int head_dim = seg->head_dim;
+    for (int g = 0; g < w->group; g++) {
+        float m = -INFINITY;
+        for (int64_t e = w->entry_ptr[row]; e < w->entry_ptr[row + 1]; e++) {
+            int s = (int)w->entry_segment[e];
+            for (int64_t c = 0; c < chunks_of(seg->lens[s]); c++) {
+                float mc = w->maxes[part_index(w, s, c, h, w->entry_position[e], g)];
+                m = mc > m ? mc : m;
+            }
+        }
+        float total = 0.0f;
+        float merged[MAX_HEAD_DIM];
+        memset(merged, 0, sizeof(float) * head_dim);
+        for (int64_t e = w->entry_ptr[row]; e < w->entry_ptr[row + 1]; e++) {
+            int s = (int)w->entry_segment[e];
+            for (int64_t c = 0; c < chunks_of(seg->lens[s]); c++) {
+                int64_t v = part_index(w, s, c, h, w->entry_position[e], g);
+                float weight = expf(w->maxes[v] - m);
+                total += weight * w->sums[v];
+                const float *acc = w->accs + v * head_dim;
+                #pragma omp simd
+                for (int d = 0; d < head_dim; d++) merged[d] += weight * acc[d];
+            }
+        }
+        int head = h * w->group + g;
+        uint16_t *o = out + (row * seg->num_q_heads + head) * head_dim;
+        float inv = 1.0f / total;
+        for (int d = 0; d < head_dim; d++) o[d] = float_to_bf16(merged[d] * inv);
+        if (lse) lse[row * seg->num_q_heads + head] = m + logf(total);
+    }
+}
+
+void radixrt_attention_run(AttentionWork *w, const uint16_t *q, int64_t q_row_stride, const uint16_t *k_pool,
+                           const uint16_t *v_pool, const int64_t *kv_indices, float scale, uint16_t *out, float *lse) {
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < w->num_items; item++)
+        run_item(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale);
+    const int hkv = w->seg.num_kv_heads;
+    #pragma omp for
+    for (int64_t pair = 0; pair < w->num_merge_rows * hkv; pair++)
+        merge_row(w, w->merge_rows[pair / hkv], (int)(pair % hkv), out, lse);
+}
+
+/*
+ * Decode: sequence s's query row q_rows[s] over the slots kv_indices[kv_starts[s] ..][:kv_lens[s]],
+ * written to the same row of out (and lse). Returns 0, -1 for shapes this kernel was not built
+ * for (the caller checks them first), -2 without memory.
+ */
 int radixrt_decode_attention_bf16(
     const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
     const uint16_t *k_pool, const uint16_t *v_pool,
     const int64_t *kv_indices, const int64_t *kv_starts, const int64_t *kv_lens,
     int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, float scale, int num_threads,
-    const int64_t *out_rows, uint16_t *out, float *lse
+    uint16_t *out, float *lse
 ) {
-    int group = num_q_heads / num_kv_heads;
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || num_q_heads % num_kv_heads) return -1;
-
-    /* item i covers chunk c of (sequence, KV head) pair p; first_item[s] indexes sequence s's first */
-    int64_t *first_item = malloc(sizeof(int64_t) * (num_seqs + 1));
-    first_item[0] = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        int64_t chunks = (kv_lens[s] + CHUNK - 1) / CHUNK;
-        first_item[s + 1] = first_item[s] + chunks * num_kv_heads;
+    if (num_q_heads % num_kv_heads || num_q_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
+    int64_t *row_ptr = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (row_ptr == NULL) return -2;
+    for (int s = 0; s <= num_seqs; s++) row_ptr[s] = s;
+    Segments seg = {num_seqs, kv_starts, kv_lens, row_ptr, q_rows, num_q_heads, num_kv_heads, head_dim};
+    AttentionWork *work = radixrt_attention_work_new(&seg);
+    if (work == NULL) {
+        free(row_ptr);
+        return -2;
     }
-    int64_t num_items = first_item[num_seqs];
-    size_t acc_size = (size_t)group * head_dim;
-    float *maxes = malloc(sizeof(float) * num_items * group);
-    float *sums = malloc(sizeof(float) * num_items * group);
-    float *accs = malloc(sizeof(float) * num_items * acc_size);
-
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < num_items; item++) {
-        int s = 0;
-        while (first_item[s + 1] <= item) s++;
-        int64_t local = item - first_item[s];
-        int64_t chunks = (kv_lens[s] + CHUNK - 1) / CHUNK;
-        int h = (int)(local / chunks);
-        int64_t c = local % chunks;
-        int64_t k0 = c * CHUNK;
-        int64_t k1 = k0 + CHUNK < kv_lens[s] ? k0 + CHUNK : kv_lens[s];
-        float qf[MAX_GROUP * MAX_HEAD_DIM];
-        const uint16_t *qs = q + q_rows[s] * q_row_stride + (int64_t)h * group * head_dim;
-        for (int i = 0; i < group * head_dim; i++) qf[i] = bf16_to_float(qs[i]) * scale;
-        const int64_t *slots = kv_indices + kv_starts[s];
-        float *m = maxes + item * group, *l = sums + item * group, *acc = accs + item * acc_size;
-        switch (head_dim) {
-        case 64: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, num_kv_heads, 64, group, m, l, acc); break;
-        case 128: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, num_kv_heads, 128, group, m, l, acc); break;
-        default: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, num_kv_heads, head_dim, group, m, l, acc);
-        }
-    }
-
-    #pragma omp parallel for num_threads(num_threads)
-    for (int64_t pair = 0; pair < (int64_t)num_seqs * num_kv_heads; pair++) {
-        int s = (int)(pair / num_kv_heads);
-        int h = (int)(pair % num_kv_heads);
-        int64_t chunks = (kv_lens[s] + CHUNK - 1) / CHUNK;
-        int64_t base = first_item[s] + (int64_t)h * chunks;
-        for (int g = 0; g < group; g++) {
-            float m = maxes[base * group + g];
-            for (int64_t c = 1; c < chunks; c++) {
-                float mc = maxes[(base + c) * group + g];
-                m = mc > m ? mc : m;
-            }
-            float total = 0.0f;
-            float merged[MAX_HEAD_DIM];
-            memset(merged, 0, sizeof(float) * head_dim);
-            for (int64_t c = 0; c < chunks; c++) {
-                float w = expf(maxes[(base + c) * group + g] - m);
-                total += w * sums[(base + c) * group + g];
-                const float *acc = accs + (base + c) * acc_size + (size_t)g * head_dim;
-                #pragma omp simd
-                for (int d = 0; d < head_dim; d++) merged[d] += w * acc[d];
-            }
-            int head = h * group + g;
-            uint16_t *o = out + (out_rows[s] * num_q_heads + head) * head_dim;
-            float inv = 1.0f / total;
-            for (int d = 0; d < head_dim; d++) o[d] = float_to_bf16(merged[d] * inv);
-            if (lse) lse[out_rows[s] * num_q_heads + head] = m + logf(total);
-        }
-    }
-    free(first_item);
-    free(maxes);
-    free(sums);
-    free(accs);
+    #pragma omp parallel num_threads(num_threads)
+    radixrt_attention_run(work, q, q_row_stride, k_pool, v_pool, kv_indices, scale, out, lse);
+    radixrt_attention_work_free(work);
+    free(row_ptr);
     return 0;
 }

@@ -20,20 +20,34 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "scalar.h"
 
-int radixrt_quantized_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
-                                  int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, int num_threads);
-void radixrt_rms_norm_bf16(uint16_t *hidden, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
-                           int64_t rows, int64_t dim, float eps, int num_threads);
-
 /* out = silu(gate) * up, each rounded to bf16 as torch's ops do. */
-static void silu_times(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
+void radixrt_silu_times(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
     #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
         float g = bf16_to_float(gate[i]);
         float silu = round_bf16(g / (1.0f + exp_approx(-g)));
         out[i] = float_to_bf16(silu * bf16_to_float(up[i]));
+    }
+}
+
+/* RoPE on a row's first `heads` heads: torch's `x * cos + flip_halves(x) * signed_sin`, each
+ * product and the sum rounded to bf16. cos, signed_sin: the row's [head_dim] tables. */
+void radixrt_rope_row(uint16_t *heads_row, int64_t heads, int64_t head_dim, const uint16_t *cos,
+                      const uint16_t *signed_sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        uint16_t *x = heads_row + h * head_dim;
+        #pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            float a = bf16_to_float(x[i]), b = bf16_to_float(x[i + half]);
+            float first = round_bf16(a * bf16_to_float(cos[i])) + round_bf16(b * bf16_to_float(signed_sin[i]));
+            float second = round_bf16(b * bf16_to_float(cos[i + half])) + round_bf16(a * bf16_to_float(signed_sin[i + half]));
+            x[i] = float_to_bf16(first);
+            x[i + half] = float_to_bf16(second);
+        }
     }
 }
 
@@ -53,21 +67,8 @@ int radixrt_int4_attention_inputs_bf16(
     int status = radixrt_quantized_matmul_bf16(normed, dim, rows, qkv_tiles, 4, qkv_rows, dim, NULL, qkv, num_threads);
     free(normed);
     if (status) return status;
-    const int64_t half = head_dim / 2;
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *c = cos + r * head_dim, *s = signed_sin + r * head_dim;
-        for (int64_t h = 0; h < rope_heads; h++) {
-            uint16_t *x = qkv + r * qkv_rows + h * head_dim;
-            #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                float a = bf16_to_float(x[i]), b = bf16_to_float(x[i + half]);
-                float first = round_bf16(a * bf16_to_float(c[i])) + round_bf16(b * bf16_to_float(s[i]));
-                float second = round_bf16(b * bf16_to_float(c[i + half])) + round_bf16(a * bf16_to_float(s[i + half]));
-                x[i] = float_to_bf16(first);
-                x[i + half] = float_to_bf16(second);
-            }
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        radixrt_rope_row(qkv + r * qkv_rows, rope_heads, head_dim, cos + r * head_dim, signed_sin + r * head_dim);
     return 0;
 }
 
@@ -96,7 +97,7 @@ int radixrt_int4_finish_layer_bf16(
                                            num_threads);
     if (status) goto done;
     for (int64_t r = 0; r < rows; r++)
-        silu_times(gate_up + r * 2 * intermediate, gate_up + r * 2 * intermediate + intermediate,
+        radixrt_silu_times(gate_up + r * 2 * intermediate, gate_up + r * 2 * intermediate + intermediate,
                    activated + r * intermediate, intermediate);
     status = radixrt_quantized_matmul_bf16(activated, intermediate, rows, down_tiles, 4, dim, intermediate, NULL,
                                            projected, num_threads);

@@ -36,6 +36,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define TILE_ROWS 16
 #define GROUP 32
 #define CHUNKS 8
@@ -150,6 +152,47 @@ static void run_block(const uint8_t *tiles, int64_t groups, const uint16_t *x, i
 #undef CASE
 }
 
+/* The 4-bit offsets' factor: each row's sum over each group of 32 inputs. */
+static void group_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t groups, float *x_sums) {
+    const __m512 ones = _mm512_castsi512_ps(_mm512_set1_epi16((short)0x3F80));
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            __m512bh values = (__m512bh)_mm512_loadu_si512(x + r * x_stride + g * GROUP);
+            x_sums[r * groups + g] = _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), values, (__m512bh)ones));
+        }
+    }
+}
+
+void radixrt_quantized_matmul_share(
+    const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
+    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, float *x_sums
+) {
+    const int64_t groups = num_cols / GROUP, num_tiles = num_rows / TILE_ROWS;
+    if (bits == 4) group_sums(x, x_stride, m, groups, x_sums);  /* 8-bit blocks have no offsets */
+    /* An equal run of tiles; within it, a block of tiles is multiplied by every block of 8 rows
+     * while its codes are in cache, so the weights are read from memory once. */
+    const int nt = m <= 8 ? tiles_per_block((int)m) : 1;
+    const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int64_t first = num_tiles * thread / threads, last = num_tiles * (thread + 1) / threads;
+    for (int64_t tile = first; tile < last; tile += nt) {
+        int block_tiles = tile + nt <= last ? nt : (int)(last - tile);
+        for (int64_t r = 0; r < m; r += 8) {
+            int mb = m - r >= 8 ? 8 : (int)(m - r);
+            const uint16_t *rows = x + r * x_stride;
+            float *out_rows = out == NULL ? NULL : out + r * num_rows;
+            uint16_t *out_rows_bf16 = out_bf16 == NULL ? NULL : out_bf16 + r * num_rows;
+            if (block_tiles == nt) {
+                run_block(tiles, groups, rows, x_stride, x_sums + r * groups, tile, nt, mb, bits, out_rows,
+                          out_rows_bf16, num_rows);
+            } else {
+                for (int t = 0; t < block_tiles; t++)
+                    run_block(tiles, groups, rows, x_stride, x_sums + r * groups, tile + t, 1, mb, bits, out_rows,
+                              out_rows_bf16, num_rows);
+            }
+        }
+    }
+}
+
 /*
  * out[r] (fp32, or bf16 when out_bf16 is not NULL) = x[r] @ w.T for r < m. num_rows % 16 == 0 and
  * num_cols % 32 == 0 (the caller checks). Returns 0, -1 without memory, -2 for other bits.
@@ -160,41 +203,12 @@ int radixrt_quantized_matmul_bf16(
     float *out, uint16_t *out_bf16, int num_threads
 ) {
     if (bits != 4 && bits != 8) return -2;
-    const int64_t groups = num_cols / GROUP, num_tiles = num_rows / TILE_ROWS;
-    float *x_sums = malloc(sizeof(float) * (size_t)(m * groups));
+    const int64_t sums_per_thread = m * (num_cols / GROUP);
+    float *x_sums = malloc(sizeof(float) * (size_t)(sums_per_thread * num_threads));
     if (x_sums == NULL) return -1;
-    const __m512 ones = _mm512_castsi512_ps(_mm512_set1_epi16((short)0x3F80));
-    for (int64_t r = 0; r < (bits == 4 ? m : 0); r++) {  /* the offsets' sums: 8-bit blocks have none */
-        for (int64_t g = 0; g < groups; g++) {
-            __m512bh values = (__m512bh)_mm512_loadu_si512(x + r * x_stride + g * GROUP);
-            x_sums[r * groups + g] = _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), values, (__m512bh)ones));
-        }
-    }
-    /* Each thread takes an equal run of tiles; within it, a block of tiles is multiplied by every
-     * block of 8 rows while its codes are in cache, so the weights are read from memory once. */
-    const int nt = m <= 8 ? tiles_per_block((int)m) : 1;
     #pragma omp parallel num_threads(num_threads)
-    {
-        int threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        int64_t first = num_tiles * thread / threads, last = num_tiles * (thread + 1) / threads;
-        for (int64_t tile = first; tile < last; tile += nt) {
-            int block_tiles = tile + nt <= last ? nt : (int)(last - tile);
-            for (int64_t r = 0; r < m; r += 8) {
-                int mb = m - r >= 8 ? 8 : (int)(m - r);
-                const uint16_t *rows = x + r * x_stride;
-                float *out_rows = out == NULL ? NULL : out + r * num_rows;
-                uint16_t *out_rows_bf16 = out_bf16 == NULL ? NULL : out_bf16 + r * num_rows;
-                if (block_tiles == nt) {
-                    run_block(tiles, groups, rows, x_stride, x_sums + r * groups, tile, nt, mb, bits, out_rows,
-                              out_rows_bf16, num_rows);
-                } else {
-                    for (int t = 0; t < block_tiles; t++)
-                        run_block(tiles, groups, rows, x_stride, x_sums + r * groups, tile + t, 1, mb, bits,
-                                  out_rows, out_rows_bf16, num_rows);
-                }
-            }
-        }
-    }
+    radixrt_quantized_matmul_share(x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16,
+                                   x_sums + sums_per_thread * omp_get_thread_num());
     free(x_sums);
     return 0;
 }
@@ -202,6 +216,14 @@ int radixrt_quantized_matmul_bf16(
 #else
 
 int radixrt_quantized_matmul_available(void) { return 0; }
+
+void radixrt_quantized_matmul_share(
+    const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
+    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, float *x_sums
+) {
+    (void)x; (void)x_stride; (void)m; (void)tiles; (void)bits; (void)num_rows; (void)num_cols;
+    (void)out; (void)out_bf16; (void)x_sums;
+}
 
 int radixrt_quantized_matmul_bf16(
     const uint16_t *x, int64_t x_stride, int64_t m,

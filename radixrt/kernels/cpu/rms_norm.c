@@ -12,9 +12,28 @@
  * depend on the other rows of the batch.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "scalar.h"
+
+void radixrt_rms_norm_row(uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *y, int64_t dim,
+                          float eps) {
+    if (residual) {
+        #pragma omp simd
+        for (int64_t i = 0; i < dim; i++) x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(residual[i]));
+    }
+    float squares = 0.0f;
+    #pragma omp simd reduction(+:squares)
+    for (int64_t i = 0; i < dim; i++) squares += bf16_to_float(x[i]) * bf16_to_float(x[i]);
+    float inv_rms = 1.0f / sqrtf(squares / (float)dim + eps);
+    #pragma omp simd
+    for (int64_t i = 0; i < dim; i++) {
+        float normed = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * inv_rms));
+        y[i] = float_to_bf16(normed * bf16_to_float(weight[i]));
+    }
+}
 
 /* out[r] = rms_norm(hidden[r] (+= residual[r] first, in place, when residual is not NULL)) */
 void radixrt_rms_norm_bf16(
@@ -22,22 +41,6 @@ void radixrt_rms_norm_bf16(
     int64_t rows, int64_t dim, float eps, int num_threads
 ) {
     #pragma omp parallel for num_threads(num_threads) if (rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *x = hidden + r * dim;
-        if (residual) {
-            const uint16_t *add = residual + r * dim;
-            #pragma omp simd
-            for (int64_t i = 0; i < dim; i++) x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(add[i]));
-        }
-        float squares = 0.0f;
-        #pragma omp simd reduction(+:squares)
-        for (int64_t i = 0; i < dim; i++) squares += bf16_to_float(x[i]) * bf16_to_float(x[i]);
-        float inv_rms = 1.0f / sqrtf(squares / (float)dim + eps);
-        uint16_t *y = out + r * dim;
-        #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) {
-            float normed = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * inv_rms));
-            y[i] = float_to_bf16(normed * bf16_to_float(weight[i]));
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        radixrt_rms_norm_row(hidden + r * dim, residual ? residual + r * dim : NULL, weight, out + r * dim, dim, eps);
 }

@@ -1,0 +1,158 @@
+"""The whole-step 4-bit kernel (kernels/cpu/decode_stack.c) against the per-layer path it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixrt.kernels import cpu
+from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.kernels.registry import create_backend
+from radixrt.kernels.segments import attention_segments
+from radixrt.memory import KVCache
+from radixrt.model.gguf_int4 import NativeWeights
+from radixrt.model.llama import INT4_MAX_ROWS, LlamaForCausalLM, StackedStep
+from radixrt.model.runner import ModelRunner
+from tests.conftest import randomize_weights
+from tests.test_model import ours_from
+from tests.test_native_weights import random_int4
+
+VOCAB = 256
+SHARED_MIN = 8  # shared_prefix_min_tokens of the backends here: small prefixes are shared too
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    if cpu.decode_stack() is None:
+        pytest.skip("no C compiler or no AVX512-BF16 on this CPU: layers run one at a time")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf_model = transformers.LlamaForCausalLM(config)
+    randomize_weights(hf_model, seed=0)
+    ours = ours_from(hf_model).to(torch.bfloat16)
+    ours.prepack()
+    config = ours.config
+    shapes = {
+        "qkv": ((config.num_heads + 2 * config.num_kv_heads) * config.head_dim, config.hidden_size),
+        "o": (config.hidden_size, config.num_heads * config.head_dim),
+        "gate_up": (2 * config.intermediate_size, config.hidden_size),
+        "down": (config.hidden_size, config.intermediate_size),
+    }
+    layers = [{name: random_int4(*shape, seed=10 * i + j) for j, (name, shape) in enumerate(shapes.items())}
+              for i in range(config.num_layers)]  # fmt: skip
+    ours.use_int4_projections(NativeWeights(layers, None))
+    assert ours._stack is not None, "a plain Llama on 4-bit weights runs as one stack"
+    return ours
+
+
+def filled_runner(model: LlamaForCausalLM, num_slots: int, seed: int) -> ModelRunner:
+    """A runner over a pool of random K/V (stand-ins for cached tokens)."""
+    config = model.config
+    cache = KVCache(config.kv_shape(torch.bfloat16), num_slots)
+    generator = torch.Generator().manual_seed(seed)
+    for pool in (*cache.k, *cache.v):
+        pool.copy_(torch.randn(pool.shape, generator=generator))
+    backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim,
+                             shared_prefix_min_tokens=SHARED_MIN)  # fmt: skip
+    return ModelRunner(model, cache, backend)
+
+
+def make_batch(specs: list[tuple[int, int]], shared: int, seed: int) -> tuple[ForwardBatch, int]:
+    """Sequences (prefix, extend) on scattered slots; the first `shared` cached slots common to all."""
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(p + e for p, e in specs)
+    order = torch.randperm(total + 5, generator=generator)
+    common, taken, slots = order[:shared], shared, []
+    for prefix, extend in specs:
+        own = prefix + extend - min(shared, prefix)
+        slots.append(torch.cat([common[: min(shared, prefix)], order[taken : taken + own]]))
+        taken += own
+    ids = [torch.randint(0, VOCAB, (e,), generator=generator).tolist() for _, e in specs]
+    return ForwardBatch.build(ids, [p for p, _ in specs], slots), total + 5
+
+
+def both_paths(model: LlamaForCausalLM, batch: ForwardBatch, num_slots: int, seed: int):
+    """(logits, K pools) through the stack and through the layers one at a time, same start pool."""
+    results = []
+    stack = model._stack
+    for use_stack in (True, False):
+        runner = filled_runner(model, num_slots, seed)
+        model._stack = stack if use_stack else None
+        try:
+            plan = model.plan_attention(batch, runner.backend)
+            assert isinstance(plan, StackedStep) == use_stack
+            logits = runner.forward(batch, torch.arange(batch.num_tokens))
+        finally:
+            model._stack = stack
+        results.append((logits, [pool.clone() for pool in runner.kv_cache.k]))
+    return results
+
+
+@pytest.mark.parametrize("specs", [[(0, 1)], [(40, 1)], [(300, 1), (5, 1), (0, 1), (700, 1)], [(20, 1)] * 16])
+def test_decode_steps_are_bit_identical_to_the_layer_path(model, specs):
+    batch, num_slots = make_batch(specs, shared=0, seed=len(specs))
+    (stacked, stacked_k), (layered, layered_k) = both_paths(model, batch, num_slots, seed=1)
+    assert torch.equal(stacked, layered)
+    assert all(torch.equal(a, b) for a, b in zip(stacked_k, layered_k)), "the same K written to the same slots"
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    specs=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 6)), min_size=1, max_size=5),
+    shared=st.integers(0, 120),
+    seed=st.integers(0, 1000),
+)
+def test_extends_and_shared_prefixes_agree_with_the_layer_path(model, specs, shared, seed):
+    """Extends attend their new keys, shared prefixes are read once: the same softmax merged in
+    another order (float32), so logits agree to bf16 noise."""
+    specs = [(p + shared, e) for p, e in specs]
+    if sum(e for _, e in specs) > INT4_MAX_ROWS:
+        specs = specs[:1]
+    batch, num_slots = make_batch(specs, shared=shared, seed=seed)
+    (stacked, _), (layered, _) = both_paths(model, batch, num_slots, seed=seed)
+    torch.testing.assert_close(stacked, layered, atol=0.05, rtol=0.02)
+
+
+def test_segments_read_a_shared_prefix_once_and_an_extend_row_its_new_keys():
+    slots = [torch.arange(0, 12), torch.cat([torch.arange(0, 10), torch.arange(20, 24)])]
+    batch = ForwardBatch.build([[1], [1, 2, 3]], [11, 11], slots)
+    segments = attention_segments(batch, shared_prefix_min_tokens=4)
+    rows = segments.rows.tolist()
+    runs = [(int(s), int(n), rows[a:b]) for s, n, a, b in
+            zip(segments.starts, segments.lens, segments.row_ptr[:-1], segments.row_ptr[1:])]  # fmt: skip
+    kv_start = batch.kv_indptr.tolist()
+    assert runs == [
+        (kv_start[0], 10, [0, 1, 2, 3]),  # the shared 10 slots, for all four new tokens
+        (kv_start[0] + 10, 2, [0]),  # the decode's own cached slot and its new one
+        (kv_start[1] + 10, 1, [1, 2, 3]),  # the extend's own cached slot
+        (kv_start[1] + 11, 1, [1]),  # its new tokens, causally
+        (kv_start[1] + 11, 2, [2]),
+        (kv_start[1] + 11, 3, [3]),
+    ]
+
+
+def test_large_steps_and_other_backends_stay_on_the_layer_path(model):
+    batch, num_slots = make_batch([(10, INT4_MAX_ROWS + 1)], shared=0, seed=0)
+    runner = filled_runner(model, num_slots, seed=0)
+    assert not isinstance(model.plan_attention(batch, runner.backend), StackedStep)
+    fp32_pool = KVCache(model.config.kv_shape(torch.float32), num_slots)
+    config = model.config
+    backend = create_backend("torch", fp32_pool, config.num_heads, config.num_kv_heads, config.head_dim)
+    small, _ = make_batch([(10, 1)], shared=0, seed=0)
+    assert not backend.reads_pool_in_place
+    assert not isinstance(model.plan_attention(small, backend), StackedStep)
+
+
+def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(model):
+    batch, num_slots = make_batch([(30, 1)], shared=0, seed=3)
+    runner = filled_runner(model, num_slots, seed=3)
+    before = [pool.clone() for pool in runner.kv_cache.k]
+    bad = ForwardBatch.build([[5]], [30], [torch.cat([batch.kv_indices[:30], torch.tensor([num_slots + 3])])])
+    with pytest.raises(IndexError, match="outside the pool"):
+        runner.forward(bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.k))
