@@ -156,3 +156,22 @@ def test_backend_stores_bfloat16_rows_through_the_c_copy():
     assert backend._store_rows.takes(k, batch.out_slots), "these rows take the C copy, not the fallback"
     backend.forward(q, k, v, 0, batch, backend.plan(batch))
     assert torch.equal(cache.k[0][[9, 4, 20]], k) and torch.equal(cache.v[0][[9, 4, 20]], v)
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.integers(1, 3000), ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_row_stats_are_torchs_argmax_and_logsumexp(rows, cols, ties, seed):
+    """The first index of the largest value (ties included, across the kernel's 1024-value
+    blocks) and the log-sum-exp, on rows read with a stride."""
+    kernel = cpu.row_stats()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, cols + 5, generator=generator) * 8
+    if ties:  # the largest value again, later in the row
+        wide[:, -6] = wide[:, :cols].amax(dim=1)
+    logits = wide[:, :cols]
+    assert kernel.takes(logits)
+    argmax, lse = kernel(logits)
+    assert torch.equal(argmax, logits.argmax(dim=1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=1), atol=1e-5, rtol=1e-6)

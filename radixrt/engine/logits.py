@@ -79,8 +79,9 @@ class LogitPlan:
         if not rows:
             return tokens
         reqs = [self.requests[i] for i in chosen]
+        every_row = rows == list(range(logits.shape[0]))  # the usual decode step: no copy
         out = sampler.sample(
-            logits[torch.tensor(rows, device=logits.device)],
+            logits if every_row else logits[torch.tensor(rows, device=logits.device)],
             [r.params for r in reqs],
             [r.seed for r in reqs],
             [r.prompt_ids for r in reqs],

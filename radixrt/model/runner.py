@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from radixrt.kernels import cpu
 from radixrt.kernels.base import AttentionBackend
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.memory.kv_cache import KVCache
@@ -22,16 +23,24 @@ def _process_threads() -> int:
 
 @dataclass(frozen=True)
 class StepThreads:
-    """How many CPU threads a step computes on: `small` for steps of at most `small_step_tokens`
-    new tokens, `large` for the rest (default: torch's thread count when the first StepThreads
-    of the process was made, i.e. before any runner changed it)."""
+    """How many CPU threads a step computes on.
+
+    torch's ops run on `small` threads in steps of at most `small_step_tokens` new tokens, and
+    on `large` in the rest (default: torch's thread count when the first StepThreads of the
+    process was made, i.e. before any runner changed it); radixrt's C kernels always run on
+    `large` (`kernels.cpu.kernel_threads`). Between steps the engine's thread keeps `small`
+    (`between_steps`): sampling and bookkeeping are small ops too.
+    """
 
     small: int
     small_step_tokens: int
     large: int = dataclasses.field(default_factory=_process_threads)
 
     def for_tokens(self, num_tokens: int) -> int:
-        return min(self.small, self.large) if num_tokens <= self.small_step_tokens else self.large
+        return self.between_steps() if num_tokens <= self.small_step_tokens else self.large
+
+    def between_steps(self) -> int:
+        return min(self.small, self.large)
 
 
 class ModelRunner:
@@ -90,7 +99,7 @@ class ModelRunner:
         if wanted != previous:
             torch.set_num_threads(wanted)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), cpu.kernel_threads(None if self.threads is None else self.threads.large):
                 plans = self.model.plan_attention(batch, self.backend)
                 hidden = self.model.forward(batch, self.backend, plans)
                 return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)))

@@ -193,6 +193,9 @@ class EngineDriver:
     def _loop(self) -> None:
         """Apply posted actions, then step; the lock is never held during a step."""
         failure: BaseException | None = None
+        threads = self.engine.runner.threads
+        if threads is not None:  # this thread's torch ops between steps are small
+            torch.set_num_threads(threads.between_steps())
         try:
             while True:
                 with self._cv:

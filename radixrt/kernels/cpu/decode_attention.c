@@ -21,6 +21,7 @@
  * lse (optional) is [rows, Hq] float32, natural log.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -248,15 +249,18 @@ static void merge_row(const AttentionWork *w, int64_t row, int h, uint16_t *out,
     }
 }
 
-void radixrt_attention_run(AttentionWork *w, const uint16_t *q, int64_t q_row_stride, const uint16_t *k_pool,
-                           const uint16_t *v_pool, const int64_t *kv_indices, float scale, uint16_t *out, float *lse) {
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < w->num_items; item++)
+void radixrt_attention_run(const Team *team, AttentionWork *w, atomic_long *next_item, const uint16_t *q,
+                           int64_t q_row_stride, const uint16_t *k_pool, const uint16_t *v_pool,
+                           const int64_t *kv_indices, float scale, uint16_t *out, float *lse) {
+    for (long item; (item = atomic_fetch_add_explicit(next_item, 1, memory_order_relaxed)) < w->num_items;)
         run_item(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale);
+    team_barrier(team);
     const int hkv = w->seg.num_kv_heads;
-    #pragma omp for
-    for (int64_t pair = 0; pair < w->num_merge_rows * hkv; pair++)
+    int64_t first, last;
+    team_share(team, w->num_merge_rows * hkv, &first, &last);
+    for (int64_t pair = first; pair < last; pair++)
         merge_row(w, w->merge_rows[pair / hkv], (int)(pair % hkv), out, lse);
+    team_barrier(team);
 }
 
 /*
@@ -281,8 +285,13 @@ int radixrt_decode_attention_bf16(
         free(row_ptr);
         return -2;
     }
+    SpinBarrier barrier = {0, 0};
+    atomic_long next_item = 0;
     #pragma omp parallel num_threads(num_threads)
-    radixrt_attention_run(work, q, q_row_stride, k_pool, v_pool, kv_indices, scale, out, lse);
+    {
+        Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
+        radixrt_attention_run(&team, work, &next_item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, out, lse);
+    }
     radixrt_attention_work_free(work);
     free(row_ptr);
     return 0;

@@ -44,45 +44,62 @@ typedef struct {
     uint16_t *normed, *qkv, *attn, *projected, *gate_up, *activated;
 } Buffers;
 
-static void layer(const Step *st, const void *const *weights, uint16_t *k_pool, uint16_t *v_pool,
-                  AttentionWork *work, uint16_t *hidden, const Buffers *b, float *x_sums) {
+/* Rows [first, last) of this thread's share of `rows`. */
+#define FOR_SHARE(team, n, i) \
+    int64_t i##_first, i##_last; \
+    team_share(team, n, &i##_first, &i##_last); \
+    for (int64_t i = i##_first; i < i##_last; i++)
+
+static void layer(const Team *team, const Step *st, const void *const *weights, uint16_t *k_pool, uint16_t *v_pool,
+                  AttentionWork *work, atomic_long *next_item, uint16_t *hidden, const Buffers *b, float *x_sums) {
     const int64_t rows = st->rows, dim = st->dim, qkv_rows = st->qkv_rows, inter = st->intermediate;
     const int64_t kv_elems = (int64_t)st->num_kv_heads * st->head_dim;
-    #pragma omp for
-    for (int64_t r = 0; r < rows; r++)
-        radixrt_rms_norm_row(hidden + r * dim, NULL, weights[INPUT_NORM], b->normed + r * dim, dim, st->eps);
-    radixrt_quantized_matmul_share(b->normed, dim, rows, weights[QKV], 4, qkv_rows, dim, NULL, b->qkv, x_sums);
-    #pragma omp barrier
-    #pragma omp for
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *row = b->qkv + r * qkv_rows;
-        radixrt_rope_row(row, st->num_q_heads + st->num_kv_heads, st->head_dim, st->cos + r * st->head_dim,
-                         st->signed_sin + r * st->head_dim);
-        const uint16_t *k = row + st->attn_dim, *v = k + kv_elems;
-        memcpy(k_pool + st->out_slots[r] * kv_elems, k, sizeof(uint16_t) * (size_t)kv_elems);
-        memcpy(v_pool + st->out_slots[r] * kv_elems, v, sizeof(uint16_t) * (size_t)kv_elems);
+    {
+        FOR_SHARE(team, rows, r)
+            radixrt_rms_norm_row(hidden + r * dim, NULL, weights[INPUT_NORM], b->normed + r * dim, dim, st->eps);
     }
-    radixrt_attention_run(work, b->qkv, qkv_rows, k_pool, v_pool, st->kv_indices, st->scale, b->attn, NULL);
-    radixrt_quantized_matmul_share(b->attn, st->attn_dim, rows, weights[O], 4, dim, st->attn_dim, NULL, b->projected,
+    team_barrier(team);
+    radixrt_quantized_matmul_share(team, b->normed, dim, rows, weights[QKV], 4, qkv_rows, dim, NULL, b->qkv, x_sums);
+    team_barrier(team);
+    {
+        FOR_SHARE(team, rows, r) {
+            uint16_t *row = b->qkv + r * qkv_rows;
+            radixrt_rope_row(row, st->num_q_heads + st->num_kv_heads, st->head_dim, st->cos + r * st->head_dim,
+                             st->signed_sin + r * st->head_dim);
+            const uint16_t *k = row + st->attn_dim, *v = k + kv_elems;
+            memcpy(k_pool + st->out_slots[r] * kv_elems, k, sizeof(uint16_t) * (size_t)kv_elems);
+            memcpy(v_pool + st->out_slots[r] * kv_elems, v, sizeof(uint16_t) * (size_t)kv_elems);
+        }
+    }
+    team_barrier(team);
+    radixrt_attention_run(team, work, next_item, b->qkv, qkv_rows, k_pool, v_pool, st->kv_indices, st->scale, b->attn,
+                          NULL);
+    radixrt_quantized_matmul_share(team, b->attn, st->attn_dim, rows, weights[O], 4, dim, st->attn_dim, NULL,
+                                   b->projected, x_sums);
+    team_barrier(team);
+    {
+        FOR_SHARE(team, rows, r)
+            radixrt_rms_norm_row(hidden + r * dim, b->projected + r * dim, weights[POST_NORM], b->normed + r * dim,
+                                 dim, st->eps);
+    }
+    team_barrier(team);
+    radixrt_quantized_matmul_share(team, b->normed, dim, rows, weights[GATE_UP], 4, 2 * inter, dim, NULL, b->gate_up,
                                    x_sums);
-    #pragma omp barrier
-    #pragma omp for
-    for (int64_t r = 0; r < rows; r++)
-        radixrt_rms_norm_row(hidden + r * dim, b->projected + r * dim, weights[POST_NORM], b->normed + r * dim, dim,
-                             st->eps);
-    radixrt_quantized_matmul_share(b->normed, dim, rows, weights[GATE_UP], 4, 2 * inter, dim, NULL, b->gate_up,
+    team_barrier(team);
+    {
+        FOR_SHARE(team, rows, r)
+            radixrt_silu_times(b->gate_up + r * 2 * inter, b->gate_up + r * 2 * inter + inter,
+                               b->activated + r * inter, inter);
+    }
+    team_barrier(team);
+    radixrt_quantized_matmul_share(team, b->activated, inter, rows, weights[DOWN], 4, dim, inter, NULL, b->projected,
                                    x_sums);
-    #pragma omp barrier
-    #pragma omp for
-    for (int64_t r = 0; r < rows; r++)
-        radixrt_silu_times(b->gate_up + r * 2 * inter, b->gate_up + r * 2 * inter + inter, b->activated + r * inter,
-                           inter);
-    radixrt_quantized_matmul_share(b->activated, inter, rows, weights[DOWN], 4, dim, inter, NULL, b->projected,
-                                   x_sums);
-    #pragma omp barrier
-    #pragma omp for
-    for (int64_t i = 0; i < rows * dim; i++)
-        hidden[i] = float_to_bf16(bf16_to_float(hidden[i]) + bf16_to_float(b->projected[i]));
+    team_barrier(team);
+    {
+        FOR_SHARE(team, rows * dim, i)
+            hidden[i] = float_to_bf16(bf16_to_float(hidden[i]) + bf16_to_float(b->projected[i]));
+    }
+    team_barrier(team);
 }
 
 /*
@@ -123,19 +140,24 @@ int radixrt_int4_decode_stack_bf16(
     };
     float *x_sums = malloc(sizeof(float) * sums_per_thread * num_threads);
     AttentionWork *work = radixrt_attention_work_new(&seg);
+    atomic_long *next_items = calloc(num_layers, sizeof(atomic_long));  /* each layer's attention item counter */
+    SpinBarrier barrier = {0, 0};
     int status = -2;
-    if (b.normed && b.qkv && b.attn && b.projected && b.gate_up && b.activated && x_sums && work) {
+    if (b.normed && b.qkv && b.attn && b.projected && b.gate_up && b.activated && x_sums && work && next_items) {
         status = 0;
         #pragma omp parallel num_threads(num_threads)
         {
-            float *own_sums = x_sums + sums_per_thread * omp_get_thread_num();
+            Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
+            float *own_sums = x_sums + sums_per_thread * team.thread;
             for (int i = 0; i < num_layers; i++) {
                 const void *weights[LAYER_WEIGHTS];
                 for (int w = 0; w < LAYER_WEIGHTS; w++) weights[w] = (const void *)layer_weights[i * LAYER_WEIGHTS + w];
-                layer(&st, weights, (uint16_t *)k_pools[i], (uint16_t *)v_pools[i], work, hidden, &b, own_sums);
+                layer(&team, &st, weights, (uint16_t *)k_pools[i], (uint16_t *)v_pools[i], work, &next_items[i],
+                      hidden, &b, own_sums);
             }
         }
     }
+    free(next_items);
     radixrt_attention_work_free(work);
     free(x_sums);
     free(b.normed);

@@ -7,7 +7,51 @@
 #ifndef RADIXRT_CPU_KERNELS_H
 #define RADIXRT_CPU_KERNELS_H
 
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
+
+/*
+ * The threads of one parallel region, meeting at our own spin barrier.
+ *
+ * libgomp's barriers spin only ~100 iterations before sleeping in the kernel
+ * once the process has more OpenMP threads than CPUs, which it does as soon
+ * as two Python threads have run parallel torch ops (the engine's thread and
+ * the one that loaded the model): a whole step then paid a futex sleep and
+ * wake-up at each of its ~240 barriers, and ran twice as slow on two threads
+ * as on one. This barrier spins (with pause) and yields the CPU only after
+ * ~50 us, long past any phase of a step.
+ */
+typedef struct {
+    atomic_int arrived;
+    atomic_int generation;
+} SpinBarrier;
+
+typedef struct {
+    SpinBarrier *barrier;
+    int thread, threads;
+} Team;
+
+static inline void team_barrier(const Team *team) {
+    if (team->threads == 1) return;
+    SpinBarrier *b = team->barrier;
+    const int generation = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == team->threads - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->generation, generation + 1, memory_order_release);
+        return;
+    }
+    for (long spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == generation; spins++) {
+        if (spins < 20000) __builtin_ia32_pause();
+        else sched_yield();
+    }
+}
+
+/* This thread's equal share [first, last) of n items. */
+static inline void team_share(const Team *team, int64_t n, int64_t *first, int64_t *last) {
+    *first = n * team->thread / team->threads;
+    *last = n * (team->thread + 1) / team->threads;
+}
 
 /* The entry points other kernels call, as the Python side does. */
 int radixrt_quantized_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
@@ -25,13 +69,13 @@ void radixrt_rope_row(uint16_t *heads_row, int64_t heads, int64_t head_dim, cons
                       const uint16_t *signed_sin);
 
 /*
- * quantized_matmul.c, called by every thread of a parallel region: this thread's equal share of
- * the weight's tiles, out[r] = x[r] @ w.T for r < m (bf16 when out_bf16 is not NULL, else fp32).
+ * quantized_matmul.c, called by every thread of a team: this thread's equal share of the
+ * weight's tiles, out[r] = x[r] @ w.T for r < m (bf16 when out_bf16 is not NULL, else fp32).
  * x_sums: m * (num_cols / 32) floats of scratch, the thread's own. No barrier at the end.
  */
-void radixrt_quantized_matmul_share(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
-                                    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16,
-                                    float *x_sums);
+void radixrt_quantized_matmul_share(const Team *team, const uint16_t *x, int64_t x_stride, int64_t m,
+                                    const uint8_t *tiles, int bits, int64_t num_rows, int64_t num_cols, float *out,
+                                    uint16_t *out_bf16, float *x_sums);
 
 /*
  * decode_attention.c: attention of query rows over runs of pool slots ("segments"), merged per
@@ -57,11 +101,13 @@ AttentionWork *radixrt_attention_work_new(const Segments *segments);  /* NULL wi
 void radixrt_attention_work_free(AttentionWork *work);
 
 /*
- * Called by every thread of a parallel region (ends with a barrier): out[row] ([*, Hq, D] bf16)
- * and, if lse is not NULL, lse[row] ([*, Hq] float32, natural log) for each listed row.
- * q rows [*, Hq, D], head stride D; pools [slots, Hkv, D].
+ * Called by every thread of a team (ends with a barrier): out[row] ([*, Hq, D] bf16) and, if lse
+ * is not NULL, lse[row] ([*, Hq] float32, natural log) for each listed row. q rows [*, Hq, D],
+ * head stride D; pools [slots, Hkv, D]. next_item: zero, shared by the team; the work items
+ * are taken from it in turn (the last chunk of each segment is shorter).
  */
-void radixrt_attention_run(AttentionWork *work, const uint16_t *q, int64_t q_row_stride, const uint16_t *k_pool,
-                           const uint16_t *v_pool, const int64_t *kv_indices, float scale, uint16_t *out, float *lse);
+void radixrt_attention_run(const Team *team, AttentionWork *work, atomic_long *next_item, const uint16_t *q,
+                           int64_t q_row_stride, const uint16_t *k_pool, const uint16_t *v_pool,
+                           const int64_t *kv_indices, float scale, uint16_t *out, float *lse);
 
 #endif

@@ -164,7 +164,7 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t g
 }
 
 void radixrt_quantized_matmul_share(
-    const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
+    const Team *team, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
     int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, float *x_sums
 ) {
     const int64_t groups = num_cols / GROUP, num_tiles = num_rows / TILE_ROWS;
@@ -172,8 +172,8 @@ void radixrt_quantized_matmul_share(
     /* An equal run of tiles; within it, a block of tiles is multiplied by every block of 8 rows
      * while its codes are in cache, so the weights are read from memory once. */
     const int nt = m <= 8 ? tiles_per_block((int)m) : 1;
-    const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    const int64_t first = num_tiles * thread / threads, last = num_tiles * (thread + 1) / threads;
+    int64_t first, last;
+    team_share(team, num_tiles, &first, &last);
     for (int64_t tile = first; tile < last; tile += nt) {
         int block_tiles = tile + nt <= last ? nt : (int)(last - tile);
         for (int64_t r = 0; r < m; r += 8) {
@@ -207,8 +207,11 @@ int radixrt_quantized_matmul_bf16(
     float *x_sums = malloc(sizeof(float) * (size_t)(sums_per_thread * num_threads));
     if (x_sums == NULL) return -1;
     #pragma omp parallel num_threads(num_threads)
-    radixrt_quantized_matmul_share(x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16,
-                                   x_sums + sums_per_thread * omp_get_thread_num());
+    {
+        Team team = {NULL, omp_get_thread_num(), omp_get_num_threads()};  /* no barrier: the region's end */
+        radixrt_quantized_matmul_share(&team, x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16,
+                                       x_sums + sums_per_thread * team.thread);
+    }
     free(x_sums);
     return 0;
 }
@@ -218,10 +221,10 @@ int radixrt_quantized_matmul_bf16(
 int radixrt_quantized_matmul_available(void) { return 0; }
 
 void radixrt_quantized_matmul_share(
-    const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
+    const Team *team, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
     int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, float *x_sums
 ) {
-    (void)x; (void)x_stride; (void)m; (void)tiles; (void)bits; (void)num_rows; (void)num_cols;
+    (void)team; (void)x; (void)x_stride; (void)m; (void)tiles; (void)bits; (void)num_rows; (void)num_cols;
     (void)out; (void)out_bf16; (void)x_sums;
 }
 
