@@ -59,14 +59,15 @@ class RuntimeConfig:
     shared_prefix_min_tokens: sequences of a step that share at least this
         many cached tokens attend them in one call (torch backend), merged
         exactly with their own tails; below it the split costs more than it saves.
-    small_step_threads, small_step_tokens: on the CPU, a step of at most
-        `small_step_tokens` new tokens (decoding up to that many requests)
-        computes on `small_step_threads` threads, larger steps (prefills) on
-        every thread torch has. Measured on 2 cores through the engine, one
-        thread decodes 1, 2 and 4 requests about 1.5x, 1.4x and 1.2x faster
-        than two and ties at 8 (the second core serves the engine's other
-        threads instead of fighting them), while two threads prefill 1.6x
-        faster (docs/benchmarks.md).
+    small_step_threads, small_step_tokens: on the CPU, torch's ops in a step
+        of at most `small_step_tokens` new tokens (decoding up to that many
+        requests), and between steps (sampling), run on `small_step_threads`
+        threads; larger steps (prefills) use every thread torch has, and
+        radixrt's C kernels (the whole 4-bit decode step, attention, the LM
+        head) always do. Measured on 2 cores through the engine: the small
+        ops of a decode step and the sampler pay more for waking a second
+        thread than they gain from it, while the C step gains from both cores
+        (docs/benchmarks.md).
     """
 
     device: str = "auto"
