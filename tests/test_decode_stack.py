@@ -14,7 +14,7 @@ from radixrt.kernels.registry import create_backend
 from radixrt.kernels.segments import attention_segments
 from radixrt.memory import KVCache
 from radixrt.model.gguf_int4 import NativeWeights
-from radixrt.model.llama import INT4_MAX_ROWS, LlamaForCausalLM, StackedStep
+from radixrt.model.llama import INT4_MAX_ROWS, STACK_MAX_ROWS, LlamaForCausalLM, StackedStep
 from radixrt.model.runner import ModelRunner
 from tests.conftest import randomize_weights
 from tests.test_model import ours_from
@@ -93,6 +93,7 @@ def both_paths(model: LlamaForCausalLM, batch: ForwardBatch, num_slots: int, see
     return results
 
 
+# The layer path runs the 4-bit weights up to INT4_MAX_ROWS tokens (beyond, the dense ones)
 @pytest.mark.parametrize("specs", [[(0, 1)], [(40, 1)], [(300, 1), (5, 1), (0, 1), (700, 1)], [(20, 1)] * 16])
 def test_decode_steps_are_bit_identical_to_the_layer_path(model, specs):
     batch, num_slots = make_batch(specs, shared=0, seed=len(specs))
@@ -118,6 +119,23 @@ def test_extends_and_shared_prefixes_agree_with_the_layer_path(model, specs, sha
     torch.testing.assert_close(stacked, layered, atol=0.05, rtol=0.02)
 
 
+def test_a_decode_row_does_not_depend_on_the_batch_it_is_in(model):
+    """Up to STACK_MAX_ROWS rows a step: each row's logits and K/V, bit for bit, as when it runs alone."""
+    specs = [(17 * i % 300, 1) for i in range(STACK_MAX_ROWS)]
+    batch, num_slots = make_batch(specs, shared=0, seed=5)
+    runner = filled_runner(model, num_slots, seed=5)
+    together = runner.forward(batch)
+    k_together = [pool.clone() for pool in runner.kv_cache.k]
+    starts = batch.kv_indptr.tolist()
+    for i, (prefix, _) in enumerate(specs):
+        alone = filled_runner(model, num_slots, seed=5)
+        slots = batch.kv_indices[starts[i] : starts[i + 1]]
+        logits = alone.forward(ForwardBatch.build([[int(batch.input_ids[i])]], [prefix], [slots]))
+        assert torch.equal(logits[0], together[i]), f"row {i}"
+        new_slot = slots[-1]
+        assert all(torch.equal(a[new_slot], b[new_slot]) for a, b in zip(alone.kv_cache.k, k_together))
+
+
 def test_segments_read_a_shared_prefix_once_and_an_extend_row_its_new_keys():
     slots = [torch.arange(0, 12), torch.cat([torch.arange(0, 10), torch.arange(20, 24)])]
     batch = ForwardBatch.build([[1], [1, 2, 3]], [11, 11], slots)
@@ -137,7 +155,7 @@ def test_segments_read_a_shared_prefix_once_and_an_extend_row_its_new_keys():
 
 
 def test_large_steps_and_other_backends_stay_on_the_layer_path(model):
-    batch, num_slots = make_batch([(10, INT4_MAX_ROWS + 1)], shared=0, seed=0)
+    batch, num_slots = make_batch([(10, STACK_MAX_ROWS + 1)], shared=0, seed=0)
     runner = filled_runner(model, num_slots, seed=0)
     assert not isinstance(model.plan_attention(batch, runner.backend), StackedStep)
     fp32_pool = KVCache(model.config.kv_shape(torch.float32), num_slots)

@@ -15,7 +15,7 @@ attend differently (a sliding window on some, a softmax scale, a score cap):
 each layer has its `LayerAttention`, and `plan_attention` plans the step once
 per distinct one.
 
-On native 4-bit weights, a step of at most `INT4_MAX_ROWS` tokens through
+On native 4-bit weights, a step of at most `STACK_MAX_ROWS` tokens through
 radixrt's C attention runs every layer in one C call instead
 (`Int4DecodeStack`): `plan_attention` then returns a `StackedStep`.
 """
@@ -42,10 +42,16 @@ from radixrt.model.int4_layer import Int4DecodeStack, Int4LayerSteps
 from radixrt.model.rope import RotaryEmbedding
 
 
-# With native 4-bit weights, steps of at most this many tokens use them; larger
-# ones (prefills, big decode batches) use the dense weights, where the dense
-# GEMM is faster (bench/model_bench.py: 4-bit wins at batch 1 and 8, loses at 32).
+# With native 4-bit weights, steps of at most this many tokens use them layer by
+# layer; larger ones (prefills, big decode batches) use the dense weights, where
+# the dense GEMM is faster (bench/model_bench.py: 4-bit wins at batch 1 and 8,
+# loses at 32).
 INT4_MAX_ROWS = 16
+# ... and steps of at most this many the whole-stack kernel runs, when it applies:
+# without ~30 torch ops a layer it beats the dense path at 24-64 tokens too
+# (decodes, extends and mixes of both, 8-20% faster on the project's machine,
+# docs/benchmarks.md).
+STACK_MAX_ROWS = 64
 
 
 RMSNorm = Callable[..., torch.Tensor]  # (hidden, weight, eps, residual=None) -> normed
@@ -295,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         """`backend`'s plans of this batch, one per distinct `LayerAttention` of the layers; or,
         for a step the whole-stack kernel takes, its `StackedStep`."""
         kinds = dict.fromkeys(layer.attention for layer in self._decoder_layers())
-        stacked = (self._stack is not None and batch.num_tokens <= INT4_MAX_ROWS
+        stacked = (self._stack is not None and batch.num_tokens <= STACK_MAX_ROWS
                    and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place)
         if stacked:
             (attention,) = kinds
