@@ -13,12 +13,14 @@ from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
 from radixrt.kernels.segments import attention_segments
 from radixrt.memory import KVCache
+from radixrt.memory.kv_cache import KVShape
 from radixrt.model.gguf_int4 import NativeWeights
 from radixrt.model.llama import INT4_MAX_ROWS, STACK_MAX_ROWS, LlamaForCausalLM, StackedStep
 from radixrt.model.runner import ModelRunner
 from tests.conftest import randomize_weights
 from tests.test_model import ours_from
 from tests.test_native_weights import random_int4
+from tests.test_torch_backend import reference
 
 VOCAB = 256
 SHARED_MIN = 8  # shared_prefix_min_tokens of the backends here: small prefixes are shared too
@@ -63,7 +65,8 @@ def filled_runner(model: LlamaForCausalLM, num_slots: int, seed: int) -> ModelRu
 
 
 def make_batch(specs: list[tuple[int, int]], shared: int, seed: int) -> tuple[ForwardBatch, int]:
-    """Sequences (prefix, extend) on scattered slots; the first `shared` cached slots common to all."""
+    """Sequences (prefix, extend) on scattered slots; the first `shared` cached slots common to all
+    (every prefix must be at least `shared` long)."""
     generator = torch.Generator().manual_seed(seed)
     total = sum(p + e for p, e in specs)
     order = torch.randperm(total + 5, generator=generator)
@@ -102,21 +105,62 @@ def test_decode_steps_are_bit_identical_to_the_layer_path(model, specs):
     assert all(torch.equal(a, b) for a, b in zip(stacked_k, layered_k)), "the same K written to the same slots"
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
-    specs=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 6)), min_size=1, max_size=5),
-    shared=st.integers(0, 120),
+    specs=st.lists(st.tuples(st.integers(0, 600), st.integers(1, 12)), min_size=1, max_size=5),
+    shared=st.integers(0, 300),
+    heads=st.sampled_from([(6, 2, 64), (9, 3, 64), (8, 1, 128), (4, 4, 32)]),
     seed=st.integers(0, 1000),
 )
-def test_extends_and_shared_prefixes_agree_with_the_layer_path(model, specs, shared, seed):
-    """Extends attend their new keys, shared prefixes are read once: the same softmax merged in
-    another order (float32), so logits agree to bf16 noise."""
+def test_segment_attention_is_causal_softmax_attention(specs, shared, heads, seed):
+    """The segments of any batch (shared prefixes, own keys over several 256-key chunks,
+    extends' new keys) through the C kernel: each new token attends exactly its causal keys
+    (against an fp32 per-sequence reference)."""
+    kernel = cpu.decode_attention()
+    if kernel is None:
+        pytest.skip("no C compiler for the CPU kernels")
+    num_q_heads, num_kv_heads, head_dim = heads
     specs = [(p + shared, e) for p, e in specs]
-    if sum(e for _, e in specs) > INT4_MAX_ROWS:
-        specs = specs[:1]
     batch, num_slots = make_batch(specs, shared=shared, seed=seed)
-    (stacked, _), (layered, _) = both_paths(model, batch, num_slots, seed=seed)
-    torch.testing.assert_close(stacked, layered, atol=0.05, rtol=0.02)
+    generator = torch.Generator().manual_seed(seed)
+    cache = KVCache(KVShape(1, num_kv_heads, head_dim, torch.bfloat16), num_slots)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=generator))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=generator))
+    q, k, v = (torch.randn(batch.num_tokens, h, head_dim, generator=generator).bfloat16()
+               for h in (num_q_heads, num_kv_heads, num_kv_heads))  # fmt: skip
+    expected = reference(cache, batch, q, k, v, 0)
+    cache.k[0][batch.out_slots], cache.v[0][batch.out_slots] = k, v
+    segments = attention_segments(batch, SHARED_MIN)
+    out = torch.zeros_like(q)
+    kernel.segments(q, cache.k[0], cache.v[0], batch.kv_indices,
+                    (segments.starts, segments.lens, segments.row_ptr, segments.rows), out, None, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("specs, shared", [([(128, 6)], 0), ([(40, 3), (300, 5), (7, 1)], 0),
+                                           ([(90, 4), (150, 1), (260, 7)], 80)])
+def test_an_extend_gives_the_logits_of_decoding_its_tokens_one_at_a_time(model, specs, shared):
+    """The stack's extends (causality as segments) and shared prefixes (read once, merged by
+    log-sum-exp) against the same tokens decoded one at a time, each over its whole sequence:
+    the same softmax merged in another order. (Against the layer path's SDPA for extends, a
+    one-ulp difference in one attention output can grow through this random model's layers
+    into a logit off by ~1: measured, hence the comparison within the stack.)"""
+    assert sum(e for _, e in specs) <= INT4_MAX_ROWS
+    batch, num_slots = make_batch(specs, shared=shared, seed=len(specs))
+    runner = filled_runner(model, num_slots, seed=2)
+    together = runner.forward(batch, torch.arange(batch.num_tokens))
+    one_by_one = filled_runner(model, num_slots, seed=2)
+    starts, rows = batch.kv_indptr.tolist(), batch.qo_indptr.tolist()
+    ids = batch.input_ids.tolist()
+    expected = torch.empty_like(together)
+    for j in range(max(e for _, e in specs)):  # every sequence's j-th new token, in one decode step
+        members = [i for i, (_, e) in enumerate(specs) if j < e]
+        step = ForwardBatch.build(
+            [[ids[rows[i] + j]] for i in members], [specs[i][0] + j for i in members],
+            [batch.kv_indices[starts[i] : starts[i] + specs[i][0] + j + 1] for i in members],
+        )  # fmt: skip
+        expected[[rows[i] + j for i in members]] = one_by_one.forward(step)
+    torch.testing.assert_close(together, expected, atol=0.05, rtol=0.02)
 
 
 def test_a_decode_row_does_not_depend_on_the_batch_it_is_in(model):

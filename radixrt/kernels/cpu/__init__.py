@@ -106,6 +106,35 @@ class DecodeAttention:
             pointer, pointer,  # out, lse
         ]
         self._fn.restype = i32
+        self._segments_fn = library.radixrt_segment_attention_bf16
+        self._segments_fn.argtypes = [
+            pointer, i64, pointer, pointer, pointer,  # q, q_row_stride, k_pool, v_pool, kv_indices
+            i32, pointer, pointer, pointer, pointer,  # segments: count, starts, lens, row_ptr, rows
+            i32, i32, i32, ctypes.c_float, i32, pointer, pointer,  # Hq, Hkv, D, scale, num_threads, out, lse
+        ]
+        self._segments_fn.restype = i32
+
+    def segments(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
+        segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor,
+        lse: torch.Tensor | None, scale: float,
+    ) -> None:
+        """Attention of query rows over segments (starts, lens, row_ptr, rows: `kernels.segments`),
+        layouts as in `__call__`: each listed row of `out` (and `lse`) written once."""
+        starts, lens, row_ptr, rows = segments
+        status = self._segments_fn(
+            q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_indices.data_ptr(),
+            starts.numel(), starts.data_ptr(), lens.data_ptr(), row_ptr.data_ptr(), rows.data_ptr(),
+            q.shape[1], k_pool.shape[1], q.shape[2], scale, _threads(), out.data_ptr(),
+            0 if lse is None else lse.data_ptr(),
+        )  # fmt: skip
+        self._check(status, q, k_pool)
+
+    def _check(self, status: int, q: torch.Tensor, k_pool: torch.Tensor) -> None:
+        if status == -1:
+            raise ValueError(f"decode attention kernel refused shapes q {tuple(q.shape)}, pool {tuple(k_pool.shape)}")
+        if status:
+            raise MemoryError("decode attention kernel could not allocate its partial results")
 
     def __call__(
         self,
@@ -135,10 +164,7 @@ class DecodeAttention:
             kv_starts.numel(), num_q_heads, k_pool.shape[1], head_dim, scale, _threads(),
             out.data_ptr(), 0 if lse is None else lse.data_ptr(),
         )  # fmt: skip
-        if status == -1:
-            raise ValueError(f"decode attention kernel refused shapes q {tuple(q.shape)}, pool {tuple(k_pool.shape)}")
-        if status:
-            raise MemoryError("decode attention kernel could not allocate its partial results")
+        self._check(status, q, k_pool)
 
 
 def supports(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

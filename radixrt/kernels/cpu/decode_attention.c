@@ -342,27 +342,20 @@ void radixrt_attention_run(const Team *team, AttentionWork *w, atomic_long *next
 }
 
 /*
- * Decode: sequence s's query row q_rows[s] over the slots kv_indices[kv_starts[s] ..][:kv_lens[s]],
- * written to the same row of out (and lse). Returns 0, -1 for shapes this kernel was not built
- * for (the caller checks them first), -2 without memory.
+ * Attention of the query rows over the segments (kernels.h), written to the same rows of out
+ * (and lse). Returns 0, -1 for shapes this kernel was not built for (the caller checks them
+ * first), -2 without memory.
  */
-int radixrt_decode_attention_bf16(
-    const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
-    const uint16_t *k_pool, const uint16_t *v_pool,
-    const int64_t *kv_indices, const int64_t *kv_starts, const int64_t *kv_lens,
-    int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, float scale, int num_threads,
-    uint16_t *out, float *lse
+int radixrt_segment_attention_bf16(
+    const uint16_t *q, int64_t q_row_stride, const uint16_t *k_pool, const uint16_t *v_pool,
+    const int64_t *kv_indices, int num_segments, const int64_t *starts, const int64_t *lens,
+    const int64_t *row_ptr, const int64_t *rows, int num_q_heads, int num_kv_heads, int head_dim, float scale,
+    int num_threads, uint16_t *out, float *lse
 ) {
     if (num_q_heads % num_kv_heads || num_q_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
-    int64_t *row_ptr = malloc(sizeof(int64_t) * (num_seqs + 1));
-    if (row_ptr == NULL) return -2;
-    for (int s = 0; s <= num_seqs; s++) row_ptr[s] = s;
-    Segments seg = {num_seqs, kv_starts, kv_lens, row_ptr, q_rows, num_q_heads, num_kv_heads, head_dim};
+    Segments seg = {num_segments, starts, lens, row_ptr, rows, num_q_heads, num_kv_heads, head_dim};
     AttentionWork *work = radixrt_attention_work_new(&seg);
-    if (work == NULL) {
-        free(row_ptr);
-        return -2;
-    }
+    if (work == NULL) return -2;
     SpinBarrier barrier = {0, 0};
     atomic_long next_item = 0;
     #pragma omp parallel num_threads(num_threads)
@@ -371,6 +364,24 @@ int radixrt_decode_attention_bf16(
         radixrt_attention_run(&team, work, &next_item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, out, lse);
     }
     radixrt_attention_work_free(work);
-    free(row_ptr);
     return 0;
+}
+
+/* Decode: sequence s's query row q_rows[s] over the slots kv_indices[kv_starts[s] ..][:kv_lens[s]]
+ * (one segment each), written to the same row of out (and lse). Returns as above. */
+int radixrt_decode_attention_bf16(
+    const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
+    const uint16_t *k_pool, const uint16_t *v_pool,
+    const int64_t *kv_indices, const int64_t *kv_starts, const int64_t *kv_lens,
+    int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, float scale, int num_threads,
+    uint16_t *out, float *lse
+) {
+    int64_t *row_ptr = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (row_ptr == NULL) return -2;
+    for (int s = 0; s <= num_seqs; s++) row_ptr[s] = s;
+    int status = radixrt_segment_attention_bf16(q, q_row_stride, k_pool, v_pool, kv_indices, num_seqs, kv_starts,
+                                                kv_lens, row_ptr, q_rows, num_q_heads, num_kv_heads, head_dim, scale,
+                                                num_threads, out, lse);
+    free(row_ptr);
+    return status;
 }
