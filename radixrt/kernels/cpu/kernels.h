@@ -32,6 +32,14 @@ typedef struct {
     int thread, threads;
 } Team;
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
 static inline void team_barrier(const Team *team) {
     if (team->threads == 1) return;
     SpinBarrier *b = team->barrier;
@@ -42,7 +50,7 @@ static inline void team_barrier(const Team *team) {
         return;
     }
     for (long spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == generation; spins++) {
-        if (spins < 20000) __builtin_ia32_pause();
+        if (spins < 20000) cpu_relax();
         else sched_yield();
     }
 }
