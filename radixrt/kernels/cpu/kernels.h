@@ -50,7 +50,7 @@ static inline void team_barrier(const Team *team) {
         return;
     }
     for (long spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == generation; spins++) {
-        if (spins < 20000) cpu_relax();
+        if (spins < 2000) cpu_relax();
         else sched_yield();
     }
 }
