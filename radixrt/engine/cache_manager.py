@@ -17,12 +17,13 @@ private and goes back to the pool when it ends).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Sequence
 
 import torch
 
 from radixrt.engine.request import Request
 from radixrt.memory.page_pool import PagePool
+from radixrt.tree import ALL_NAMESPACES, AllNamespaces, Divergence, RadixTree, TreeSnapshot
 
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -91,6 +92,14 @@ class CacheManager(ABC):
     @abstractmethod
     def prefix_path(self, req: Request) -> tuple[Hashable, ...]:
         """Handles of the cached nodes along the request's matched prefix, root first (read-only)."""
+
+    @abstractmethod
+    def explain(self, tokens: Sequence[int], namespace: Hashable, branch_tokens: int) -> Divergence:
+        """Where `tokens` leave what is cached, and the closest cached branch (read-only)."""
+
+    @abstractmethod
+    def snapshot(self, max_nodes: int, namespace: Hashable | AllNamespaces = ALL_NAMESPACES) -> TreeSnapshot:
+        """A bounded plain-data copy of what is cached, for pictures (read-only)."""
 
     @abstractmethod
     def admit(self, req: Request) -> None:
@@ -168,6 +177,12 @@ class NoPrefixCache(CacheManager):
 
     def prefix_path(self, req: Request) -> tuple[Hashable, ...]:
         return ()
+
+    def explain(self, tokens: Sequence[int], namespace: Hashable, branch_tokens: int) -> Divergence:
+        return Divergence(0, 0, [])
+
+    def snapshot(self, max_nodes: int, namespace: Hashable | AllNamespaces = ALL_NAMESPACES) -> TreeSnapshot:
+        return RadixTree(self.page_size).snapshot(max_nodes, namespace)
 
     def admit(self, req: Request) -> None:
         req.slots, req.cached_len, req.last_node, req.num_computed = EMPTY_SLOTS, 0, None, 0

@@ -15,14 +15,14 @@ With `page_size > 1` only whole pages enter the tree.
 from __future__ import annotations
 
 from array import array
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
 
 from radixrt.engine.cache_manager import EMPTY_SLOTS, CacheManager
 from radixrt.engine.request import Request
 from radixrt.memory.page_pool import PagePool
-from radixrt.tree import RadixTree, TreeNode
+from radixrt.tree import ALL_NAMESPACES, AllNamespaces, Divergence, RadixTree, TreeNode, TreeSnapshot
 
 
 class RadixCacheManager(CacheManager):
@@ -56,6 +56,12 @@ class RadixCacheManager(CacheManager):
             path.append(node.node_id)
             node = node.parent
         return tuple(reversed(path))
+
+    def explain(self, tokens: Sequence[int], namespace: Hashable, branch_tokens: int) -> Divergence:
+        return self.tree.explain(list(tokens), namespace, branch_tokens)
+
+    def snapshot(self, max_nodes: int, namespace: Hashable | AllNamespaces = ALL_NAMESPACES) -> TreeSnapshot:
+        return self.tree.snapshot(max_nodes, namespace)
 
     def admit(self, req: Request) -> None:
         match = self.tree.match_prefix(self._matchable(req), namespace=req.namespace)

@@ -15,9 +15,11 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 from radixrt.config import RuntimeConfig
 from radixrt.engine.engine import Engine
 from radixrt.engine.request import Request, RequestOutput
+from radixrt.runtime.cache_report import EXPLAIN_WINDOW, explain_report, tree_svg
 from radixrt.runtime.driver import EngineDriver, build_engine
-from radixrt.runtime.inputs import InputProcessor, PromptInput, normalise_rids
+from radixrt.runtime.inputs import InputProcessor, PromptInput, cache_namespace, normalise_rids
 from radixrt.sampling import SamplingParams
+from radixrt.tree import ALL_NAMESPACES, AllNamespaces
 
 _Outputs = queue.Queue  # of RequestOutput | BaseException, filled on the engine thread
 
@@ -155,6 +157,48 @@ class Runtime:
         """
         stats: dict[str, float | int] = self._driver.call(self.engine.stats)
         return stats
+
+    def explain_cache(
+        self,
+        prompt: PromptInput = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[dict] | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """Why a prompt would (not) hit the cache: how much is cached and where it leaves the tree.
+
+        Returns {"prompt_tokens", "cached_tokens" (what a request would reuse
+        now), "diverged_at" (the first token not in the cache, None when all
+        of it is), "context_text" (the text just before that point),
+        "prompt_text" and "cached_text" (the prompt's and the closest cached
+        branch's text from that point on)}. Reads the tree between two steps
+        and changes nothing: no eviction order moves. Takes one prompt in
+        any form `generate` takes, with the same errors.
+        """
+        ids = self.inputs.one_prompt(prompt, input_ids, messages)
+        namespace, cache = cache_namespace(cache_salt), self.engine.cache
+        divergence = self._driver.call(lambda: cache.explain(ids, namespace, EXPLAIN_WINDOW))
+        return explain_report(ids, divergence, self.config.page_size, self._decode)
+
+    def cache_tree_svg(
+        self, max_nodes: int = 200, *, cache_salt: str | None | AllNamespaces = ALL_NAMESPACES
+    ) -> str:
+        """An SVG picture of the live cache tree (see docs/cache.md for how to read it).
+
+        At most `max_nodes` nodes are drawn, heaviest branches first; the rest
+        fold into "+N more" boxes. `cache_salt` (None is the default
+        namespace) draws one namespace only; by default all are drawn.
+        """
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
+        namespace = cache_salt if isinstance(cache_salt, AllNamespaces) else cache_namespace(cache_salt)
+        cache = self.engine.cache
+        snapshot = self._driver.call(lambda: cache.snapshot(max_nodes, namespace))
+        return tree_svg(snapshot, self._decode)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
     def flush_cache(self) -> None:
         """Drop every cached prefix and reset the hit counters (the runtime must be idle)."""

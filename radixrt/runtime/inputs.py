@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from array import array
 from dataclasses import dataclass, replace
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Hashable, Sequence
 
 from radixrt.engine.request import Request
 from radixrt.sampling import SamplingParams
@@ -30,12 +30,16 @@ class RequestLimits:
         """The most tokens a prompt of this length may generate: what the context and the pool leave."""
         return max(min(self.context_len, self.pool_tokens) - num_prompt_tokens, 0)
 
-    def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
+    def check_tokens(self, prompt: Sequence[int]) -> None:
+        """What any prompt must be, generated from or only explained: non-empty, in the vocabulary."""
         if not prompt:
             raise ValueError("prompt is empty: give at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        self.check_tokens(prompt)
         total = len(prompt) + params.token_limit
         if total > self.context_len:
             raise ValueError(
@@ -93,6 +97,22 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def one_prompt(self, prompt: PromptInput, input_ids: Any, messages: Any) -> list[int]:
+        """One prompt's token ids, checked like a request's (for reading the cache, not generating).
+
+        Over the context is the limit generate would hit with no new token at all.
+        """
+        prompts, is_batch = self.token_ids(prompt, input_ids, messages)
+        if is_batch:
+            raise ValueError("prompt must be one prompt here, not a list of prompts")
+        ids = prompts[0]
+        self.limits.check_tokens(ids)
+        if len(ids) > self.limits.context_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) exceeds the model's context length {self.limits.context_len}"
+            )
+        return ids
+
     def make_requests(
         self,
         prompts: list[list[int]],
@@ -106,12 +126,10 @@ class InputProcessor:
         `rids[i]` names prompt i's request; with `n > 1` its samples are
         `rids[i]-0`, `rids[i]-1`, ... and `rids[i]` aborts them all.
         """
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        namespace = cache_namespace(cache_salt)
         if rids is not None and len(rids) != len(prompts):
             raise ValueError(f"rid must give one id per prompt ({len(prompts)}), got {len(rids)}")
         params.validate(vocab_size=self.limits.vocab_size)
-        namespace = None if cache_salt is None else ("cache_salt", cache_salt)
         requests = []
         for index, ids in enumerate(prompts):
             if logprob_start_len is not None and not 0 <= logprob_start_len < max(len(ids), 1):
@@ -137,6 +155,13 @@ class InputProcessor:
                     )
                 )
         return requests
+
+
+def cache_namespace(cache_salt: str | None) -> Hashable:
+    """The radix tree namespace of a `cache_salt`: equal salts share a cache, others never do."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    return None if cache_salt is None else ("cache_salt", cache_salt)
 
 
 def normalise_rids(rid: Any, is_batch: bool, num_prompts: int) -> list[str] | None:

@@ -15,11 +15,13 @@ edges split only at page boundaries, so every node's slots are whole pages.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Hashable
 
 import torch
 
 from radixrt.tree import debug
+from radixrt.tree.explain import Divergence, find_divergence
 from radixrt.tree.keys import (
     TOKEN_BYTES,
     Packed,
@@ -31,7 +33,11 @@ from radixrt.tree.keys import (
     unpack_slots,
 )
 from radixrt.tree.node import MatchResult, TreeNode
+from radixrt.tree.snapshot import ALL_NAMESPACES, AllNamespaces, EvictedEdge, TreeSnapshot, evicted_edge, take_snapshot
 from radixrt.tree.walk import walk
+
+EVICTED_KEPT = 16
+"""Evicted edges remembered for pictures (drawn as ghosts under their parent)."""
 
 
 def _check_indices(indices: torch.Tensor, num_tokens: int) -> None:
@@ -74,6 +80,7 @@ class RadixTree:
         self._next_id = 0
         self._evictable_tokens = 0
         self._protected_tokens = 0
+        self._evicted: deque[EvictedEdge] = deque(maxlen=EVICTED_KEPT)
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -227,6 +234,7 @@ class RadixTree:
             del parent.children[node.key[:page_bytes]]
             node.parent = None
             freed.append(node.slots)
+            self._evicted.append(evicted_edge(node, parent, self._clock))
             num_freed += node.num_tokens
             self._evictable_tokens -= node.num_tokens
             if parent.parent is not None:
@@ -239,6 +247,38 @@ class RadixTree:
         self._lru = []
         self._evictable_tokens = 0
         self._protected_tokens = 0
+        self._evicted.clear()
+
+    # ------------------------------------------------------------ explaining
+    def explain(self, tokens: Tokens, namespace: Hashable = None, branch_tokens: int = 32) -> Divergence:
+        """Where `tokens` leave the cached tree, token by token, and the closest branch.
+
+        Changes nothing (no split, no access-time refresh), so explaining a
+        prompt never reorders eviction. See `radixrt.tree.explain`.
+        """
+        packed = pack_tokens(tokens)
+        try:
+            check_token_range(packed, 0)
+            return find_divergence(self._find_root(namespace), packed, self.page_size, branch_tokens)
+        finally:
+            release_views(packed)
+
+    def snapshot(self, max_nodes: int, namespace: Hashable | AllNamespaces = ALL_NAMESPACES) -> TreeSnapshot:
+        """A bounded plain-data copy for drawing: heaviest branches kept, the rest folded.
+
+        `namespace` limits it to one namespace (a tenant sees only its own);
+        by default every namespace is included.
+        """
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
+        if isinstance(namespace, AllNamespaces):
+            roots = self._roots
+        else:
+            root = self._find_root(namespace)
+            roots = {} if root is None else {namespace: root}
+        return take_snapshot(
+            roots, self._evicted, max_nodes=max_nodes, clock=self._clock
+        )
 
     # ------------------------------------------------------------- debugging
     def check_invariants(self) -> None:
