@@ -259,3 +259,11 @@ def test_tree_svg_shows_the_branch_point(runtime):
     for bad in (0, -3, 1.5, True):
         with pytest.raises(ValueError, match="max_nodes"):
             runtime.cache_tree_svg(max_nodes=bad)
+
+
+def test_a_generation_is_one_edge_not_one_node_per_token(runtime):
+    """Decode steps do not insert their token: the output enters the tree once, at the end."""
+    runtime.flush_cache()
+    runtime.generate(input_ids=list(range(200, 230)), sampling_params={**greedy(12), "ignore_eos": True})
+    edges = [v.num_tokens for v in runtime.engine.cache.snapshot(100).nodes if v.state == "evictable"]
+    assert edges == [30, 11]  # the prompt (inserted when computed), then the output but its last token

@@ -130,7 +130,10 @@ class Scheduler:
         prompt).
         """
         for (req, num), token in zip(batch.items, next_tokens):
-            just_admitted = req.num_computed == req.cached_len
+            # Only a step that computed prompt tokens has something new for others to hit; a decode
+            # step's one token waits for the request's end (inserting it every step would grow the
+            # tree by a one-token node per generated token).
+            computed_prompt = req.num_computed < len(req.prompt_ids)
             req.num_computed += num
             if req.num_pending > 0:  # a chunk of a long prompt
                 self.cache.cache_computed(req)
@@ -141,7 +144,7 @@ class Scheduler:
                 req.append_token(token.token_id, token.logprob, token.top_logprobs)
             if req.finish_reason is not None:
                 self._finish(req)
-            elif num > 1 or just_admitted:
+            elif num > 1 or computed_prompt:
                 self.cache.cache_computed(req)  # the prompt is computed: let others hit it now
 
     def abort(self, rid: str, message: str) -> list[Request]:
