@@ -81,21 +81,30 @@ _Pending = tuple[int, int, TreeNode, int | None]
 
 
 class _Sizes:
-    """Tokens and nodes under every node of the chosen namespaces, in one pass."""
+    """Tokens and nodes under every node of the chosen namespaces, in one pass.
+
+    This pass is the only part of a snapshot that grows with the tree (the
+    rest touches kept nodes and their children), and it runs on the
+    engine's thread: it is kept to one loop, keyed by the nodes themselves.
+    """
 
     def __init__(self, roots: Iterable[TreeNode]):
-        self.tokens: dict[int, int] = {}
-        self.nodes: dict[int, int] = {}
+        self.tokens: dict[TreeNode, int] = {}
+        self.nodes: dict[TreeNode, int] = {}
         self.locked_tokens = 0
+        tokens, nodes = self.tokens, self.nodes
         for root in roots:
             order = [root]
             for node in order:  # grows while iterating: a breadth-first listing
                 order.extend(node.children.values())
             for node in reversed(order):
-                below = node.children.values()
-                self.tokens[node.node_id] = node.num_tokens + sum(self.tokens[c.node_id] for c in below)
-                self.nodes[node.node_id] = 1 + sum(self.nodes[c.node_id] for c in below)
-                self.locked_tokens += node.num_tokens if node.lock_ref else 0
+                num_tokens, num_nodes = node.num_tokens, 1
+                for child in node.children.values():
+                    num_tokens += tokens[child]
+                    num_nodes += nodes[child]
+                tokens[node], nodes[node] = num_tokens, num_nodes
+                if node.lock_ref:
+                    self.locked_tokens += node.num_tokens
 
 
 def take_snapshot(
@@ -109,7 +118,7 @@ def take_snapshot(
     sizes = _Sizes(roots.values())
     kept: dict[int, NodeView] = {}
     children_of: dict[int | None, list[NodeView]] = {}
-    heap: list[_Pending] = [(-sizes.tokens[r.node_id], r.node_id, r, None) for r in roots.values()]
+    heap: list[_Pending] = [(-sizes.tokens[r], r.node_id, r, None) for r in roots.values()]
     heapq.heapify(heap)
     while heap and len(kept) < max_nodes:
         _, _, node, parent_id = heapq.heappop(heap)
@@ -117,7 +126,7 @@ def take_snapshot(
         kept[node.node_id] = view
         children_of.setdefault(parent_id, []).append(view)
         for child in node.children.values():
-            heapq.heappush(heap, (-sizes.tokens[child.node_id], child.node_id, child, node.node_id))
+            heapq.heappush(heap, (-sizes.tokens[child], child.node_id, child, node.node_id))
     _add_folds(heap, sizes, children_of)
     _add_ghosts(evicted, kept, children_of)
     ordered: list[NodeView] = []
@@ -128,8 +137,8 @@ def take_snapshot(
         stack.extend(reversed(children_of.get(view.node_id, [])))
     return TreeSnapshot(
         ordered,
-        total_nodes=sum(sizes.nodes[r.node_id] - 1 for r in roots.values()),
-        total_tokens=sum(sizes.tokens[r.node_id] for r in roots.values()),
+        total_nodes=sum(sizes.nodes[r] - 1 for r in roots.values()),
+        total_tokens=sum(sizes.tokens[r] for r in roots.values()),
         protected_tokens=sizes.locked_tokens,
         clock=clock,
     )
@@ -149,7 +158,7 @@ def _view(node: TreeNode, parent_id: int | None, sizes: _Sizes) -> NodeView:
         head=_head(node.key),
         last_access=node.last_access,
         lock_ref=node.lock_ref,
-        subtree_tokens=sizes.tokens[node.node_id],
+        subtree_tokens=sizes.tokens[node],
         namespace=node.namespace if node.parent is None else None,
     )
 
@@ -163,7 +172,7 @@ def _add_folds(
     folds: dict[int | None, tuple[int, int]] = {}
     for _, _, node, parent_id in left:
         tokens, nodes = folds.get(parent_id, (0, 0))
-        folds[parent_id] = (tokens + sizes.tokens[node.node_id], nodes + sizes.nodes[node.node_id])
+        folds[parent_id] = (tokens + sizes.tokens[node], nodes + sizes.nodes[node])
     for fold_id, (parent_id, (tokens, nodes)) in enumerate(folds.items(), start=1):
         children_of.setdefault(parent_id, []).append(
             NodeView(-fold_id, parent_id, "folded", tokens, (), 0, subtree_tokens=tokens, num_nodes=nodes)
