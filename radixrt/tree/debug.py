@@ -70,8 +70,9 @@ def check_invariants(
                 stack.append(child)
     assert evictable == evictable_tokens, "evictable_tokens is off"
     assert protected == protected_tokens, "protected_tokens is off"
-    assert len(lru) == filed, "LRU list and node stamps disagree"
-    for stamp, node_id, node in lru:
+    live = [(stamp, node_id, node) for stamp, node_id, node in lru if node.parent is not None]  # not forgotten
+    assert len(live) == filed, "LRU list and node stamps disagree"
+    for stamp, node_id, node in live:
         assert node.lru_stamp == stamp and node.node_id == node_id and node_id in seen
     all_slots = unpack_slots(slots)
     assert torch.unique(all_slots).numel() == all_slots.numel(), "a slot is held twice"

@@ -15,12 +15,14 @@ edges split only at page boundaries, so every node's slots are whole pages.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import deque
 from collections.abc import Hashable
 
 import torch
 
 from radixrt.tree import debug
+from radixrt.tree.events import CacheEvent
 from radixrt.tree.explain import Divergence, find_divergence
 from radixrt.tree.keys import (
     TOKEN_BYTES,
@@ -38,6 +40,17 @@ from radixrt.tree.walk import walk
 
 EVICTED_KEPT = 16
 """Evicted edges remembered for pictures (drawn as ghosts under their parent)."""
+
+
+def _eviction_event(node: TreeNode) -> CacheEvent:
+    """The event of evicting `node`: its whole path from the root, and where its edge starts."""
+    keys = []
+    top = node
+    while top.parent is not None:
+        keys.append(top.key)
+        top = top.parent
+    path = b"".join(reversed(keys))
+    return CacheEvent("evict", top.namespace, path, (len(path) - len(node.key)) // TOKEN_BYTES)
 
 
 def _check_indices(indices: torch.Tensor, num_tokens: int) -> None:
@@ -81,6 +94,10 @@ class RadixTree:
         self._evictable_tokens = 0
         self._protected_tokens = 0
         self._evicted: deque[EvictedEdge] = deque(maxlen=EVICTED_KEPT)
+        # Changes of the token set for a mirror (see radixrt.tree.events); None while nobody listens.
+        self._events: list[CacheEvent] | None = None
+        self._stale_entries = 0  # LRU entries of forgotten nodes (see forget)
+        self._mirror_slots = 0  # slot numbers handed out by apply_events
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -141,6 +158,8 @@ class RadixTree:
                 node.children[leaf.key[: self._page_bytes]] = leaf
                 self._evictable_tokens += leaf.num_tokens
                 self._file_if_evictable(leaf)
+                if self._events is not None:
+                    self._events.append(CacheEvent("insert", namespace, bytes(query)))
         finally:
             release_views(query, packed)
         return offset // TOKEN_BYTES
@@ -221,7 +240,7 @@ class RadixTree:
         num_freed = 0
         while num_freed < num_tokens and lru:
             stamp, node_id, node = heapq.heappop(lru)
-            if node.children or node.lock_ref:
+            if node.children or node.lock_ref or node.parent is None:  # None: forgotten (see forget)
                 node.lru_stamp = -1  # no longer an evictable leaf; refiled when it is again
                 continue
             if node.last_access != stamp:
@@ -231,6 +250,8 @@ class RadixTree:
             node.lru_stamp = -1
             parent = node.parent
             assert parent is not None, "only nodes below a root are filed"
+            if self._events is not None:
+                self._events.append(_eviction_event(node))
             del parent.children[node.key[:page_bytes]]
             node.parent = None
             freed.append(node.slots)
@@ -241,10 +262,101 @@ class RadixTree:
                 self._file_if_evictable(parent)
         return unpack_slots(freed)
 
+    # ------------------------------------------------------------ mirroring
+    def record_events(self) -> None:
+        """Start recording inserts and evictions for a mirror; `drain_events` hands them over."""
+        if self._events is None:
+            self._events = []
+
+    def drain_events(self) -> list[CacheEvent]:
+        """The changes since the last drain, oldest first (empty when not recording)."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def apply_events(self, events: list[CacheEvent]) -> None:
+        """Make this tree a mirror: replay another tree's inserts and evictions, in order.
+
+        A mirror holds the same token sets; its slots are only numbered (so
+        the invariant that no slot is held twice still checks it), and it
+        never locks, so every edge it forgets is free to go.
+        """
+        for event in events:
+            tokens = array("Q")
+            tokens.frombytes(event.tokens)
+            if event.kind == "insert":
+                first, self._mirror_slots = self._mirror_slots, self._mirror_slots + len(tokens)
+                self.insert(tokens, torch.arange(first, self._mirror_slots), event.namespace)
+            else:
+                self.forget(tokens, event.keep, event.namespace)
+
+    def forget(self, tokens: Tokens, keep: int, namespace: Hashable = None) -> int:
+        """Drop what is cached along `tokens` past its first `keep` tokens; return how many tokens went.
+
+        For mirrors: when the mirrored tree evicts an edge, the mirror
+        forgets the same tokens, whatever its own split points. `keep` must
+        be whole pages. Nothing below the cut may be locked (ValueError).
+        """
+        packed = pack_tokens(tokens)
+        query = self._whole_pages(packed)
+        try:
+            check_token_range(packed, 0)
+            if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep * TOKEN_BYTES <= len(query):
+                raise ValueError(f"keep must be an int in [0, {len(query) // TOKEN_BYTES}], got {keep!r}")
+            if keep % self.page_size:
+                raise ValueError(f"keep must be whole pages of {self.page_size} tokens, got {keep}")
+            root = self._find_root(namespace)
+            below = self._node_past(root, query, keep * TOKEN_BYTES)
+            if below is None:
+                return 0
+            if below.lock_ref:
+                raise ValueError("forget would drop tokens a lock protects")
+            return self._drop_subtree(below)
+        finally:
+            release_views(query, packed)
+
+    def _node_past(self, root: TreeNode | None, query: Packed, keep_bytes: int) -> TreeNode | None:
+        """The node whose edge starts at byte `keep_bytes` of `query`'s cached path (split there), if any."""
+        if root is None or keep_bytes == len(query):
+            return None
+        path, offset, cut = walk(root, query[:keep_bytes], self._page_bytes)
+        if offset < keep_bytes:
+            return None
+        page = bytes(query[keep_bytes : keep_bytes + self._page_bytes])
+        if cut is None:
+            return (path[-1] if path else root).children.get(page)
+        child, matched = cut
+        if child.key[matched : matched + self._page_bytes] != page:
+            return None
+        upper = self._split(child, matched)
+        return upper.children[page]
+
+    def _drop_subtree(self, top: TreeNode) -> int:
+        parent = top.parent
+        assert parent is not None
+        del parent.children[top.key[: self._page_bytes]]
+        dropped, stack = 0, [top]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            dropped += node.num_tokens
+            self._stale_entries += node.lru_stamp >= 0
+            node.parent, node.lru_stamp = None, -1  # a dead handle; evict skips its stale LRU entry
+        self._evictable_tokens -= dropped
+        if self._stale_entries * 2 > len(self._lru):  # amortized: a mirror never evicts to pop them
+            self._lru = [entry for entry in self._lru if entry[2].parent is not None]
+            heapq.heapify(self._lru)
+            self._stale_entries = 0
+        if parent.parent is not None:
+            self._file_if_evictable(parent)
+        return dropped
+
     def reset(self) -> None:
         """Drop every node; every handle dies. The caller resets its pool."""
         self._roots = {}
         self._lru = []
+        self._stale_entries = 0
         self._evictable_tokens = 0
         self._protected_tokens = 0
         self._evicted.clear()
