@@ -264,9 +264,22 @@ class RadixTree:
 
     # ------------------------------------------------------------ mirroring
     def record_events(self) -> None:
-        """Start recording inserts and evictions for a mirror; `drain_events` hands them over."""
-        if self._events is None:
-            self._events = []
+        """Start recording inserts and evictions for a mirror; `drain_events` hands them over.
+
+        The first events insert every sequence already cached (one per leaf),
+        so a mirror that starts from empty is exact from the start.
+        """
+        if self._events is not None:
+            return
+        self._events = []
+        for namespace, root in self._roots.items():
+            stack = [(root, b"")]
+            while stack:
+                node, path = stack.pop()
+                path += node.key
+                if not node.children and node.parent is not None:
+                    self._events.append(CacheEvent("insert", namespace, path))
+                stack.extend((child, path) for child in node.children.values())
 
     def drain_events(self) -> list[CacheEvent]:
         """The changes since the last drain, oldest first (empty when not recording)."""
@@ -292,11 +305,13 @@ class RadixTree:
                 self.forget(tokens, event.keep, event.namespace)
 
     def forget(self, tokens: Tokens, keep: int, namespace: Hashable = None) -> int:
-        """Drop what is cached along `tokens` past its first `keep` tokens; return how many tokens went.
+        """Drop the cached tokens of `tokens` past its first `keep` that nothing else uses.
 
-        For mirrors: when the mirrored tree evicts an edge, the mirror
-        forgets the same tokens, whatever its own split points. `keep` must
-        be whole pages. Nothing below the cut may be locked (ValueError).
+        For mirrors: when the mirrored tree evicts a leaf edge (`tokens[keep:]`
+        of the path `tokens`), the mirror forgets the same tokens, whatever
+        its own split points. Tokens another cached sequence continues from
+        stay, and so do locked ones. `keep` must be whole pages. Returns how
+        many tokens went.
         """
         packed = pack_tokens(tokens)
         query = self._whole_pages(packed)
@@ -306,50 +321,34 @@ class RadixTree:
                 raise ValueError(f"keep must be an int in [0, {len(query) // TOKEN_BYTES}], got {keep!r}")
             if keep % self.page_size:
                 raise ValueError(f"keep must be whole pages of {self.page_size} tokens, got {keep}")
-            root = self._find_root(namespace)
-            below = self._node_past(root, query, keep * TOKEN_BYTES)
-            if below is None:
-                return 0
-            if below.lock_ref:
-                raise ValueError("forget would drop tokens a lock protects")
-            return self._drop_subtree(below)
+            path, offset, cut = walk(self._find_root(namespace), query, self._page_bytes)
         finally:
             release_views(query, packed)
+        if cut is not None or not path:
+            return 0  # the path's last tokens continue in a longer cached sequence, or nothing is cached
+        return self._drop_leaf_chain(path[-1], offset // TOKEN_BYTES, keep)
 
-    def _node_past(self, root: TreeNode | None, query: Packed, keep_bytes: int) -> TreeNode | None:
-        """The node whose edge starts at byte `keep_bytes` of `query`'s cached path (split there), if any."""
-        if root is None or keep_bytes == len(query):
-            return None
-        path, offset, cut = walk(root, query[:keep_bytes], self._page_bytes)
-        if offset < keep_bytes:
-            return None
-        page = bytes(query[keep_bytes : keep_bytes + self._page_bytes])
-        if cut is None:
-            return (path[-1] if path else root).children.get(page)
-        child, matched = cut
-        if child.key[matched : matched + self._page_bytes] != page:
-            return None
-        upper = self._split(child, matched)
-        return upper.children[page]
-
-    def _drop_subtree(self, top: TreeNode) -> int:
-        parent = top.parent
-        assert parent is not None
-        del parent.children[top.key[: self._page_bytes]]
-        dropped, stack = 0, [top]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
+    def _drop_leaf_chain(self, node: TreeNode, end: int, keep: int) -> int:
+        """Remove unlocked leaves upward from `node` (ending at token `end`) down to token `keep`."""
+        dropped = 0
+        parent = node.parent
+        while parent is not None and not node.children and not node.lock_ref and end > keep:
+            start = end - node.num_tokens
+            if start < keep:
+                parent = self._split(node, (keep - start) * TOKEN_BYTES)
+                start = keep
+            del parent.children[node.key[: self._page_bytes]]
             dropped += node.num_tokens
             self._stale_entries += node.lru_stamp >= 0
             node.parent, node.lru_stamp = None, -1  # a dead handle; evict skips its stale LRU entry
+            node, end, parent = parent, start, parent.parent
         self._evictable_tokens -= dropped
+        if dropped and node.parent is not None:
+            self._file_if_evictable(node)
         if self._stale_entries * 2 > len(self._lru):  # amortized: a mirror never evicts to pop them
             self._lru = [entry for entry in self._lru if entry[2].parent is not None]
             heapq.heapify(self._lru)
             self._stale_entries = 0
-        if parent.parent is not None:
-            self._file_if_evictable(parent)
         return dropped
 
     def reset(self) -> None:
