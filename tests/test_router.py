@@ -160,3 +160,21 @@ def test_prefix_routing_never_exceeds_the_load_gap(requests, gap):
             open_routes.append(route)
         elif open_routes:
             fleet.router.finished(open_routes.pop(0))
+
+
+def test_a_runtime_drains_events_that_keep_a_router_exact(tiny_llama_dir):
+    from radixrt import Runtime
+
+    with Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=256) as rt:
+        first = list(range(10, 70))
+        rt.generate(input_ids=first, sampling_params={"max_new_tokens": 2, "temperature": 0})
+        router = Router()
+        router.add_replica("rt")
+        router.apply_events("rt", rt.drain_cache_events())  # the first drain: everything cached so far
+        assert router.cached_tokens("rt") == rt.cache_stats()["tree_tokens"]
+        for n in range(6):  # a 256-token pool: later prompts evict earlier ones
+            rt.generate(input_ids=[3 + n] * 90, sampling_params={"max_new_tokens": 2, "temperature": 0})
+            router.apply_events("rt", rt.drain_cache_events())
+            assert router.cached_tokens("rt") == rt.cache_stats()["tree_tokens"]
+        assert rt.cache_stats()["evicted_tokens"] > 0
+        assert router.route(first).matched_tokens == 0  # evicted there, so not matched here

@@ -24,6 +24,7 @@ import torch
 from radixrt.engine.request import Request
 from radixrt.memory.page_pool import PagePool
 from radixrt.tree import ALL_NAMESPACES, AllNamespaces, Divergence, RadixTree, TreeSnapshot
+from radixrt.tree.events import CacheEvent
 
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -100,6 +101,10 @@ class CacheManager(ABC):
     @abstractmethod
     def snapshot(self, max_nodes: int, namespace: Hashable | AllNamespaces = ALL_NAMESPACES) -> TreeSnapshot:
         """A bounded plain-data copy of what is cached, for pictures (read-only)."""
+
+    def drain_events(self) -> list[CacheEvent]:
+        """Inserts and evictions since the last drain, for a router's mirror (none: nothing is shared)."""
+        return []
 
     @abstractmethod
     def admit(self, req: Request) -> None:

@@ -22,6 +22,7 @@ import torch
 from radixrt.engine.cache_manager import EMPTY_SLOTS, CacheManager
 from radixrt.engine.request import Request
 from radixrt.memory.page_pool import PagePool
+from radixrt.tree.events import CacheEvent
 from radixrt.tree import ALL_NAMESPACES, AllNamespaces, Divergence, RadixTree, TreeNode, TreeSnapshot
 
 
@@ -62,6 +63,10 @@ class RadixCacheManager(CacheManager):
 
     def snapshot(self, max_nodes: int, namespace: Hashable | AllNamespaces = ALL_NAMESPACES) -> TreeSnapshot:
         return self.tree.snapshot(max_nodes, namespace)
+
+    def drain_events(self) -> list[CacheEvent]:
+        self.tree.record_events()  # the first drain starts recording: it returns everything cached
+        return self.tree.drain_events()
 
     def admit(self, req: Request) -> None:
         match = self.tree.match_prefix(self._matchable(req), namespace=req.namespace)

@@ -20,6 +20,7 @@ from radixrt.runtime.driver import EngineDriver, build_engine
 from radixrt.runtime.inputs import InputProcessor, PromptInput, cache_namespace, normalise_rids
 from radixrt.sampling import SamplingParams
 from radixrt.tree import ALL_NAMESPACES, AllNamespaces
+from radixrt.tree.events import CacheEvent
 
 _Outputs = queue.Queue  # of RequestOutput | BaseException, filled on the engine thread
 
@@ -196,6 +197,17 @@ class Runtime:
         cache = self.engine.cache
         snapshot = self._driver.call(lambda: cache.snapshot(max_nodes, namespace))
         return tree_svg(snapshot, self._decode)
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        """What the cache inserted and evicted since the last call, oldest first, for a router's mirror.
+
+        The first call starts the record and returns everything cached then,
+        so a router that applies every drain in order (`Router.apply_events`)
+        holds exactly this runtime's token sets. See docs/scaleout.md.
+        """
+        cache = self.engine.cache
+        events: list[CacheEvent] = self._driver.call(cache.drain_events)
+        return events
 
     def _decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
