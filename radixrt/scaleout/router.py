@@ -139,6 +139,15 @@ class Router:
         chosen.in_flight[ticket] = (namespace, values.tobytes())
         return Route(chosen.name, ticket, matched, reason)
 
+    def closest(self, tokens: Sequence[int], namespace: Hashable = None) -> str:
+        """The replica holding the longest prefix of `tokens` (least loaded among equals); routes nothing."""
+        if not self._replicas:
+            raise RuntimeError("no replica is available")
+        values = array("q", tokens)
+        return max(
+            self._replicas.values(), key=lambda r: (_match(r, values, namespace), -len(r.in_flight))
+        ).name
+
     def _by_prefix(
         self, replicas: list[_Replica], values: array, namespace: Hashable
     ) -> tuple[_Replica, int, Literal["prefix", "load"]]:
