@@ -63,7 +63,7 @@ def check_ray() -> None:
 class FleetIngress:
     """The ingress deployment's class: one fleet, and the HTTP app over it (Serve wraps this class)."""
 
-    async def __init__(self, spec: FleetSpec, *replicas: Any):
+    async def __init__(self, spec: FleetSpec, *replicas: Any):  # type: ignore[misc]  # Serve awaits it
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import ReplicaUnavailableError
 
@@ -85,7 +85,7 @@ def build_application(spec: FleetSpec) -> Any:
 
     env = {"OMP_NUM_THREADS": str(spec.replica_threads)} if spec.replica_threads else {}
     logs = _serve_logging()
-    replica = serve.deployment(RuntimeReplica)
+    replica: Any = serve.deployment(RuntimeReplica)
     bound = [
         replica.options(
             name=f"replica-{k}",
@@ -96,7 +96,7 @@ def build_application(spec: FleetSpec) -> Any:
         ).bind(spec.model, spec.runtime_options)
         for k in range(spec.replicas)
     ]
-    ingress = serve.deployment(serve.ingress()(FleetIngress))
+    ingress: Any = serve.deployment(serve.ingress()(FleetIngress))
     return ingress.options(
         name="ingress", num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
         logging_config=logs,
