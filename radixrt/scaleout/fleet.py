@@ -62,17 +62,22 @@ class ReplicaFleet:
         self.tokenizer = Tokenizer(record, _no_transformers) if record is not None else description["tokenizer"]
         self.inputs = InputProcessor(self.tokenizer, description["limits"], description["eos_token_ids"])
         self._pump: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # --- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
         """Join every replica that answers, then keep the mirrors current in the background."""
-        await asyncio.gather(*(self._refresh(name) for name in self._handles))
+        self._loop = asyncio.get_running_loop()
+        await self._refresh_all()
         self._pump = asyncio.create_task(self._pump_events())
 
     async def _pump_events(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
-            await asyncio.gather(*(self._refresh(name) for name in self._handles))
+            await self._refresh_all()
+
+    async def _refresh_all(self) -> None:
+        await asyncio.gather(*(self._refresh(name) for name in self._handles))
 
     async def _refresh(self, name: str) -> None:
         try:
@@ -221,7 +226,10 @@ class ReplicaFleet:
         return out
 
     def flush_cache(self) -> None:
+        """Flush every replica, and the mirrors with them before returning (not at the next pump)."""
         self._each("flush_cache")
+        assert self._loop is not None, "start() first"
+        asyncio.run_coroutine_threadsafe(self._refresh_all(), self._loop).result()
 
     def explain_cache(
         self,

@@ -340,6 +340,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             "max_queued_requests": settings.max_queued_requests,
             "api_key_required": bool(settings.api_keys),
             "cache_stats": stats,
+            **({"replicas": await asyncio.to_thread(runtime.replica_stats)} if hasattr(runtime, "replica_stats") else {}),
         }
 
     @app.post("/flush_cache")
