@@ -20,7 +20,8 @@ import radixrt
 from radixrt.config import DEVICES, SCHEDULE_POLICIES, WEIGHTS
 from radixrt.kernels import BACKEND_NAMES
 from radixrt.sampling import SamplingParams
-from radixrt.scaleout.router import POLICIES as ROUTER_POLICIES
+from radixrt.scaleout.config import POLICIES as ROUTER_POLICIES
+from radixrt.scaleout.config import RouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,11 @@ def _add_serve_parser(commands: Any) -> argparse.ArgumentParser:
                        help="runtimes behind one cache-aware router (default 1: no Ray)")
     scale.add_argument("--router", choices=ROUTER_POLICIES, default="prefix",
                        help="prefix (default): the replica holding the longest cached prefix, with a load guard")
+    scale.add_argument("--router-min-match-tokens", type=_int_at_least(0), default=RouterConfig.min_match_tokens,
+                       help=f"a shorter cached prefix routes by load (default {RouterConfig.min_match_tokens})")
+    scale.add_argument("--router-max-load-gap", type=_int_at_least(0), default=RouterConfig.max_load_gap,
+                       help="in-flight requests the best-matching replica may have beyond the least loaded "
+                            f"(default {RouterConfig.max_load_gap})")
     scale.add_argument("--ray-address", help="an existing Ray cluster (e.g. auto); default: start a local one")
     return serve
 
@@ -272,13 +278,12 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _serve_replicas(args: argparse.Namespace, options: dict[str, Any], settings: Any) -> int:
     from radixrt.scaleout.deploy import FleetSpec, check_ray, serve_forever
-    from radixrt.scaleout.router import RouterConfig
 
     check_ray()  # before anything starts
     # A local instance shares this machine's cores between the replicas; a cluster's nodes keep theirs.
     threads = None if args.ray_address else max(1, (os.cpu_count() or 1) // args.replicas)
-    spec = FleetSpec(args.model, options, settings, args.replicas, RouterConfig(policy=args.router),
-                     replica_threads=threads)
+    router = RouterConfig(args.router, args.router_min_match_tokens, args.router_max_load_gap)
+    spec = FleetSpec(args.model, options, settings, args.replicas, router, replica_threads=threads)
     return serve_forever(spec, args.host, args.port, args.ray_address)
 
 

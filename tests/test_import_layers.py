@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("radixrt.engine",),
     ("radixrt.runtime",),
     ("radixrt.lang", "radixrt.server"),
+    ("radixrt.scaleout",),
     ("radixrt.demo", "radixrt.cli", "radixrt.benchmarks"),
 ]
 

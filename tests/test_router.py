@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrt.scaleout import Router, RouterConfig
+from radixrt.scaleout.config import RouterConfig
+from radixrt.scaleout.router import Router
 from radixrt.tree import RadixTree
 
 SYSTEM_A = list(range(1000, 1100))

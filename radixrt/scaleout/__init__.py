@@ -1,5 +1,5 @@
-"""Past one machine: replicas of a Runtime behind a cache-aware router (see docs/scaleout.md)."""
+"""Past one machine: replicas of a Runtime behind a cache-aware router (see docs/scaleout.md).
 
-from radixrt.scaleout.router import POLICIES, Route, Router, RouterConfig
-
-__all__ = ["POLICIES", "Route", "Router", "RouterConfig"]
+`config` (RouterConfig) imports nothing heavy; `router` is the policy; `replica`,
+`fleet` and `deploy` put it on Ray Serve, and only `deploy` imports Ray.
+"""

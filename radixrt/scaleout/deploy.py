@@ -25,7 +25,8 @@ from typing import Any
 
 from radixrt.scaleout.fleet import EVENT_INTERVAL_S, ReplicaFleet
 from radixrt.scaleout.replica import RuntimeReplica
-from radixrt.scaleout.router import Router, RouterConfig
+from radixrt.scaleout.config import RouterConfig
+from radixrt.scaleout.router import Router
 from radixrt.server.app import ServerSettings, create_app
 
 logger = logging.getLogger("radixrt.scaleout")
