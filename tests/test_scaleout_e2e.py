@@ -111,6 +111,19 @@ def test_one_conversation_stays_on_one_replica(fleet):
     assert all(c > 0 for c in cached[1:])  # every later turn reused the earlier ones
 
 
+def test_streams_and_batches_come_back_in_order(fleet):
+    body = {"messages": [{"role": "user", "content": "count to three"}], "max_tokens": 4, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", fleet + "/v1/chat/completions", json=body, timeout=120) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"usage"' in lines[-2]
+    prompts = ["the first prompt", "a second, different prompt", "the first prompt"]
+    plain = httpx.post(fleet + "/v1/completions", json={"prompt": prompts, "max_tokens": 3, "temperature": 0},
+                       timeout=120).json()
+    assert [c["index"] for c in plain["choices"]] == [0, 1, 2]
+    assert plain["choices"][0]["text"] == plain["choices"][2]["text"]  # greedy: same prompt, same text
+
+
 def test_two_tenants_system_prompts_spread_over_both_replicas(fleet):
     assert httpx.post(fleet + "/flush_cache", timeout=60).status_code == 200  # both replicas empty
     served_a, cached_a = conversation("Tenant Alpha: you answer about apples and pears. " * 4, 2, fleet)
