@@ -179,3 +179,14 @@ def test_a_runtime_drains_events_that_keep_a_router_exact(tiny_llama_dir):
             assert router.cached_tokens("rt") == rt.cache_stats()["tree_tokens"]
         assert rt.cache_stats()["evicted_tokens"] > 0
         assert router.route(first).matched_tokens == 0  # evicted there, so not matched here
+
+
+def test_a_suspended_replica_keeps_its_mirror_and_gets_nothing_until_resumed():
+    fleet = Fleet()
+    home = fleet.serve(SYSTEM_A + [1]).replica
+    fleet.router.suspend(home)
+    assert fleet.router.replicas == [n for n in fleet.trees if n != home]
+    assert fleet.router.route(SYSTEM_A + [2]).replica != home
+    fleet.router.resume(home)
+    assert fleet.router.cached_tokens(home) == len(SYSTEM_A) + 1  # the mirror survived
+    assert fleet.router.route(SYSTEM_A + [3]).replica == home

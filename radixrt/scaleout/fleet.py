@@ -32,6 +32,8 @@ from radixrt.tree import ALL_NAMESPACES, AllNamespaces
 logger = logging.getLogger("radixrt.scaleout")
 
 EVENT_INTERVAL_S = 0.1
+# A drain waits for the step in progress; a replica silent for longer is taken out of routing until it answers.
+DRAIN_TIMEOUT_S = 5.0
 
 
 class ReplicaFailed(RuntimeError):
@@ -81,8 +83,9 @@ class ReplicaFleet:
 
     async def _refresh(self, name: str) -> None:
         try:
-            instance, events = await self._handles[name].drain_cache_events.remote()
-        except self._failures as error:
+            instance, events = await asyncio.wait_for(self._handles[name].drain_cache_events.remote(),
+                                                      DRAIN_TIMEOUT_S)
+        except self._failures + (asyncio.TimeoutError,) as error:
             self._lost(name, error)
             return
         if self._instances.get(name) != instance:
@@ -90,12 +93,16 @@ class ReplicaFleet:
                 logger.warning("replica %s restarted: routing to it again, with an empty cache", name)
             self._instances[name] = instance
             self.router.add_replica(name)
+        elif name not in self.router.replicas:
+            logger.warning("replica %s answers again: routing to it again", name)
+            self.router.resume(name)
         self.router.apply_events(name, events)
 
     def _lost(self, name: str, error: BaseException) -> None:
+        """Stop routing to a replica that failed a call or did not drain in time (its mirror is kept)."""
         if name in self.router.replicas:
             logger.warning("replica %s failed (%s): no longer routing to it", name, type(error).__name__)
-        self.router.remove_replica(name)
+        self.router.suspend(name)
 
     def is_alive(self) -> bool:
         return bool(self.router.replicas)

@@ -40,6 +40,7 @@ class _Replica:
     name: str
     mirror: RadixTree = field(default_factory=RadixTree)
     in_flight: dict[int, tuple[Hashable, bytes]] = field(default_factory=dict)  # ticket -> (namespace, tokens)
+    suspended: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,25 @@ class Router:
     # --- membership -----------------------------------------------------------------
     @property
     def replicas(self) -> list[str]:
-        return list(self._replicas)
+        """The replicas requests are routed to now (members not suspended)."""
+        return [name for name, replica in self._replicas.items() if not replica.suspended]
 
     def add_replica(self, name: str) -> None:
         """A replica joins (or restarts) with an empty cache."""
         self._replicas[name] = _Replica(name)
 
     def remove_replica(self, name: str) -> None:
-        """A replica left (or died): nothing is routed to it any more; unknown names are ignored."""
+        """A replica left for good: nothing is routed to it any more; unknown names are ignored."""
         self._replicas.pop(name, None)
+
+    def suspend(self, name: str) -> None:
+        """Stop routing to a replica that does not answer, keeping its mirror for when it does again."""
+        if name in self._replicas:
+            self._replicas[name].suspended = True
+
+    def resume(self, name: str) -> None:
+        if name in self._replicas:
+            self._replicas[name].suspended = False
 
     # --- what replicas report ---------------------------------------------------------
     def apply_events(self, name: str, events: list[CacheEvent]) -> None:
@@ -96,10 +107,10 @@ class Router:
     # --- routing --------------------------------------------------------------------
     def route(self, tokens: Sequence[int], namespace: Hashable = None) -> Route:
         """Pick a replica for a request of `tokens` in `namespace`, and count it as in flight there."""
-        if not self._replicas:
+        replicas = [r for r in self._replicas.values() if not r.suspended]
+        if not replicas:
             raise RuntimeError("no replica is available")
         values = array("q", tokens)
-        replicas = list(self._replicas.values())
         reason: Reason
         if self.config.policy == "round_robin":
             chosen, matched, reason = replicas[self._turn % len(replicas)], 0, "round_robin"
@@ -114,12 +125,11 @@ class Router:
 
     def closest(self, tokens: Sequence[int], namespace: Hashable = None) -> str:
         """The replica holding the longest prefix of `tokens` (least loaded among equals); routes nothing."""
-        if not self._replicas:
+        replicas = [r for r in self._replicas.values() if not r.suspended]
+        if not replicas:
             raise RuntimeError("no replica is available")
         values = array("q", tokens)
-        return max(
-            self._replicas.values(), key=lambda r: (_match(r, values, namespace), -len(r.in_flight))
-        ).name
+        return max(replicas, key=lambda r: (_match(r, values, namespace), -len(r.in_flight))).name
 
     def _by_prefix(
         self, replicas: list[_Replica], values: array, namespace: Hashable
