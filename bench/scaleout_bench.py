@@ -17,6 +17,8 @@ Systems (--systems), each started fresh, from an empty cache:
   least_load   ... --router least_load
   sglang       SGLang's router (`python -m sglang_router.launch_router --policy cache_aware`, --sglang-python)
                in front of N single `radixrt serve` workers
+  ray_prefix   Ray Serve's PrefixCacheAffinityRouter choosing among N radixrt replicas of one deployment
+               (bench/ray_prefix_baseline.py; it cannot report work per replica)
 Every radixrt process gets cores / N compute threads (single: all cores).
 
 Per system and N: the share of prompt tokens served from cache (usage's
@@ -27,7 +29,8 @@ what `single` reuses, computes >= 2x fewer prefill tokens than round_robin,
 keeps max/min load <= 1.5, and beats SGLang's router on cached share and TTFT p99.
 
 Run: python bench/scaleout_bench.py [--replicas 2,3] [--systems single,prefix,round_robin,least_load]
-     [--tenants 3] [--conversations 6] [--turns 3] [--new-tokens 16] [--out results.json]
+     [--tenants 3] [--conversations 6] [--turns 3] [--new-tokens 16] [--max-total-tokens 32768]
+     [--sglang-python PY] [--out results.json]
 """
 
 from __future__ import annotations
@@ -56,8 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import serve_bench  # noqa: E402
 from serve_bench import SHOPS, HttpPath, Job, Sample, free_port, load_tokenizer, p99, system_prompt  # noqa: E402
 
-SYSTEMS = ("single", "prefix", "round_robin", "least_load", "sglang")
-MAX_TOTAL_TOKENS = 32768
+SYSTEMS = ("single", "prefix", "round_robin", "least_load", "sglang", "ray_prefix")
 ITEMS = ["order", "refund", "parcel", "invoice", "voucher", "exchange"]
 
 
@@ -104,12 +106,14 @@ async def run_turns(url: str, conversations: list[Conversation], new_tokens: int
     limits = httpx.Limits(max_connections=len(conversations) + 4, max_keepalive_connections=len(conversations) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         path = HttpPath(client)
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
         start = time.perf_counter()
         for turn in range(len(conversations[0].questions)):
             for conversation, history in zip(conversations, histories):
                 question = conversation.questions[turn]
                 history.append({"role": "user", "content": conversation.document + question if turn == 0 else question})
-            results = await asyncio.gather(*(path.run(Job(new_tokens, messages=list(h))) for h in histories))
+            results = await asyncio.gather(*(path.run(Job(new_tokens, messages=list(h), model=model))
+                                             for h in histories))
             for history, sample in zip(histories, results):
                 history.append({"role": "assistant", "content": sample.text})
             samples.extend(results)
@@ -130,9 +134,9 @@ def wait_healthy(url: str, processes: list[subprocess.Popen], log: Path, limit_s
     raise RuntimeError(f"{url} never became healthy; see {log}")
 
 
-def radixrt_serve(port: int, threads: int, log: Path, *extra: str) -> subprocess.Popen:
+def radixrt_serve(port: int, threads: int, pool: int, log: Path, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "radixrt.cli", "serve", "--port", str(port),
-               "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--log-level", "warning", *extra]
+               "--max-total-tokens", str(pool), "--log-level", "warning", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
 
@@ -150,7 +154,7 @@ def stop(processes: list[subprocess.Popen]) -> None:
 
 
 @contextlib.contextmanager
-def system(name: str, replicas: int, log: Path, sglang_python: str | None) -> Iterator[tuple[str, list[str]]]:
+def system(name: str, replicas: int, pool: int, log: Path, sglang_python: str | None) -> Iterator[tuple[str, list[str]]]:
     """Start a system; yield its URL and the URLs to read per-replica stats from."""
     cores = os.cpu_count() or 1
     port = free_port()
@@ -158,7 +162,7 @@ def system(name: str, replicas: int, log: Path, sglang_python: str | None) -> It
     processes: list[subprocess.Popen] = []
     try:
         if name == "single":
-            processes.append(radixrt_serve(port, cores, log))
+            processes.append(radixrt_serve(port, cores, pool, log))
             wait_healthy(url, processes, log)
             yield url, [url]
         elif name == "sglang":
@@ -166,7 +170,7 @@ def system(name: str, replicas: int, log: Path, sglang_python: str | None) -> It
                 raise SystemExit("--systems sglang needs --sglang-python (a Python with sglang-router installed)")
             workers = [f"http://127.0.0.1:{free_port()}" for _ in range(replicas)]
             for worker in workers:
-                processes.append(radixrt_serve(int(worker.rsplit(":", 1)[1]), max(1, cores // replicas), log))
+                processes.append(radixrt_serve(int(worker.rsplit(":", 1)[1]), max(1, cores // replicas), pool, log))
             for worker in workers:
                 wait_healthy(worker, processes, log)
             processes.append(subprocess.Popen(
@@ -175,8 +179,15 @@ def system(name: str, replicas: int, log: Path, sglang_python: str | None) -> It
                 stdout=log.open("ab"), stderr=subprocess.STDOUT))
             wait_healthy(url, processes, log)
             yield url, workers
+        elif name == "ray_prefix":
+            baseline = Path(__file__).resolve().parent / "ray_prefix_baseline.py"
+            processes.append(subprocess.Popen(
+                [sys.executable, str(baseline), "--port", str(port), "--replicas", str(replicas),
+                 "--max-total-tokens", str(pool)], stdout=log.open("ab"), stderr=subprocess.STDOUT))
+            wait_healthy(url, processes, log)
+            yield url, [url]
         else:
-            processes.append(radixrt_serve(port, cores, log, "--replicas", str(replicas), "--router", name))
+            processes.append(radixrt_serve(port, cores, pool, log, "--replicas", str(replicas), "--router", name))
             wait_healthy(url, processes, log)
             yield url, [url]
     finally:
@@ -195,7 +206,7 @@ def replica_work(stat_urls: list[str]) -> list[int]:
 
 def measure(name: str, replicas: int, conversations: list[Conversation], args: argparse.Namespace,
             log: Path) -> dict[str, Any]:
-    with system(name, replicas, log, args.sglang_python) as (url, stat_urls):
+    with system(name, replicas, args.max_total_tokens, log, args.sglang_python) as (url, stat_urls):
         asyncio.run(run_turns(url, [Conversation("Be brief.", "", ("Hello!",))], args.new_tokens))  # warm-up
         before = replica_work(stat_urls)
         samples, wall = asyncio.run(run_turns(url, conversations, args.new_tokens))
@@ -208,7 +219,7 @@ def measure(name: str, replicas: int, conversations: list[Conversation], args: a
         "prompt_tokens": prompt, "cached_share": cached / prompt, "prefill_tokens": prompt - cached,
         "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": p99(ttfts),
         "output_tokens_per_s": sum(s.output_tokens for s in samples) / wall, "wall_s": wall,
-        "replica_work": work, "load_max_over_min": max(work) / max(min(work), 1),
+        "replica_work": work, "load_max_over_min": max(work) / max(min(work), 1) if len(work) > 1 else None,
     }
 
 
@@ -219,7 +230,8 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['replicas']} | {r['system']} | {r['cached_share']:.1%} | {r['prefill_tokens']:,} "
             f"| {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['output_tokens_per_s']:.0f} "
-            f"| {', '.join(f'{w:,}' for w in r['replica_work'])} | {r['load_max_over_min']:.2f} |"
+            f"| {', '.join(f'{w:,}' for w in r['replica_work']) or 'n/a'} "
+            f"| {'n/a' if r['load_max_over_min'] is None else format(r['load_max_over_min'], '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -233,6 +245,8 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-total-tokens", type=int, default=32768,
+                        help="KV pool per replica (smaller: replicas evict, and routers that guess drift)")
     parser.add_argument("--sglang-python", help="a Python with sglang-router installed (for --systems sglang)")
     parser.add_argument("--log", default="/tmp/scaleout_bench.log")
     parser.add_argument("--out", help="write the results as JSON here")

@@ -258,6 +258,7 @@ class Job:
     max_tokens: int
     messages: list[dict[str, str]] | None = None
     prompt: str | None = None
+    model: str | None = None  # sent when set (SGLang's router fills in "unknown" otherwise)
 
 
 class Timer:
@@ -294,6 +295,8 @@ def _greedy(job: Job) -> dict[str, Any]:
     """OpenAI body fields of every benchmark request: exactly `max_tokens` greedy tokens, streamed with usage."""
     body: dict[str, Any] = {"max_tokens": job.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                             "stream_options": {"include_usage": True}}
+    if job.model is not None:
+        body["model"] = job.model
     if job.messages is not None:
         body["messages"] = job.messages
     else:
