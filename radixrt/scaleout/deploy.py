@@ -99,7 +99,7 @@ def build_application(spec: FleetSpec) -> Any:
     from ray import serve
 
     env = {"OMP_NUM_THREADS": str(spec.replica_threads)} if spec.replica_threads else {}
-    logs = _serve_logging()
+    logs = serve_logging()
     replica: Any = serve.deployment(RuntimeReplica)
     bound = [
         replica.options(
@@ -118,7 +118,7 @@ def build_application(spec: FleetSpec) -> Any:
     ).bind(spec, *bound)
 
 
-def _serve_logging() -> dict[str, Any]:
+def serve_logging() -> dict[str, Any]:
     """Serve's access log has a line per call, and the event pump calls every replica ten times a second."""
     debug = logger.isEnabledFor(logging.DEBUG)
     return {"log_level": "DEBUG" if debug else "WARNING", "enable_access_log": debug}
@@ -138,7 +138,7 @@ def start(spec: FleetSpec, host: str, port: int, ray_address: str | None) -> Non
     else:
         cpus = max(os.cpu_count() or 1, int(spec.replicas * spec.replica_cpus + 0.999))
         ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
-    serve.start(http_options={"host": host, "port": port}, logging_config=_serve_logging())
+    serve.start(http_options={"host": host, "port": port}, logging_config=serve_logging())
     serve.run(build_application(spec), name=APP_NAME, route_prefix="/")
 
 

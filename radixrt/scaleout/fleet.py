@@ -145,7 +145,7 @@ class ReplicaFleet:
         for attempt in (1, 2):
             route = self._route(call["input_ids"], namespace)
             try:
-                return await _cancel_on_exit(self._handles[route.replica].generate.remote(call))
+                return await cancel_with_caller(self._handles[route.replica].generate.remote(call))
             except self._failures as error:
                 self._lost(route.replica, error)
                 if attempt == 2 or not self.router.replicas:
@@ -265,7 +265,7 @@ class ReplicaFleet:
         return [response.result() for response in responses]
 
 
-async def _cancel_on_exit(response: Any) -> Any:
+async def cancel_with_caller(response: Any) -> Any:
     """Await a Serve response; if the caller is cancelled, cancel it on the replica too."""
     try:
         return await response
