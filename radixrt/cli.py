@@ -1,4 +1,4 @@
-"""The `radixrt` command: generate, demo, bench, serve.
+"""The `radixrt` command: generate, demo, bench, serve, explain.
 
 Global options (model, device, pool size, logging) may come before or after
 the command. Everything a command line can get wrong is checked before torch
@@ -42,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _configure_logging(args.log_level or ("warning" if args.command == "generate" else "info"))
         if args.command == "serve":
             return _serve(parser, args)
+        if args.command == "explain":
+            return _explain(args)
         return _run(args, params)
     except KeyboardInterrupt:
         print("radixrt: interrupted", file=sys.stderr)
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixrt", description="A RadixAttention inference runtime.")
     parser.add_argument("--version", action="version", version=f"radixrt {radixrt.__version__}")
     _add_global_options(parser, with_defaults=True)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,demo,serve,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,demo,serve,explain,bench}")
 
     gen = commands.add_parser("generate", help="complete a prompt")
     gen.add_argument("prompt")
@@ -72,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_global_options(demo, with_defaults=False)
     serve = _add_serve_parser(commands)
     _add_global_options(serve, with_defaults=False)
+    explain = commands.add_parser("explain", help="ask a running server how much of a prompt is cached, and why not more")
+    explain.add_argument("prompt")
+    explain.add_argument("--chat", action="store_true", help="as a user message with the chat template")
+    explain.add_argument("--url", default="http://127.0.0.1:30000", help="the server (default http://127.0.0.1:30000)")
+    explain.add_argument("--api-key", help="the bearer key, when the server needs one")
+    explain.add_argument("--cache-salt", help="the cache namespace to explain against")
+    explain.add_argument("--json", action="store_true", help="print the report as JSON")
     # bench's own options belong to the suite (radixrt/benchmarks/suite.py): they pass through
     # unparsed, so `radixrt bench --help` prints the suite's help.
     commands.add_parser("bench", add_help=False, help="the benchmark suite (radixrt bench --help for its options)")
@@ -274,6 +283,18 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"radixrt: {error}", file=sys.stderr)
         return 2
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from radixrt.server.explain_client import ExplainError, format_report, request_explanation
+
+    try:
+        report = request_explanation(args.url, args.prompt, args.chat, args.api_key, args.cache_salt)
+    except ExplainError as error:
+        print(f"radixrt explain: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
 
 
 def _serve_replicas(args: argparse.Namespace, options: dict[str, Any], settings: Any) -> int:

@@ -267,3 +267,13 @@ def test_a_generation_is_one_edge_not_one_node_per_token(runtime):
     runtime.generate(input_ids=list(range(200, 230)), sampling_params={**greedy(12), "ignore_eos": True})
     edges = [v.num_tokens for v in runtime.engine.cache.snapshot(100).nodes if v.state == "evictable"]
     assert edges == [30, 11]  # the prompt (inserted when computed), then the output but its last token
+
+
+def test_any_decoded_text_makes_well_formed_svg():
+    """Tokens can decode to control characters or lone surrogates, which XML cannot hold even escaped."""
+    tree = RadixTree()
+    tree.insert([1, 2, 3], torch.arange(3))
+    tree.insert([1, 5], torch.arange(3, 5))
+    nasty = "\x00\x07<&>\"'\ud800\ufffe\U0001f600 tab\there"
+    root = ET.fromstring(render_svg(tree.snapshot(10), lambda ids: nasty, lambda ns: nasty))
+    assert any("\\x07" in (t.text or "") for t in root.iter(f"{SVG}text"))

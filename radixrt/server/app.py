@@ -24,19 +24,22 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
 import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 import radixrt
 from radixrt.runtime import Runtime
 from radixrt.server import openai_api
+from radixrt.server.dashboard import DASHBOARD_HTML
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.protocol import (
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    ExplainRequest,
     GenerateRequest,
 )
+from radixrt.tree import ALL_NAMESPACES
 
 logger = logging.getLogger("radixrt.server")
 T = TypeVar("T")
@@ -355,6 +358,31 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     async def abort_request(body: AbortRequest, key: str | None = Depends(tenant)) -> dict[str, Any]:
         runtime.abort(body.rid)
         return {"rid": body.rid}
+
+    @app.post("/cache/explain")
+    async def explain_cache(body: ExplainRequest, key: str | None = Depends(tenant)) -> dict[str, Any]:
+        log_unknown(body, "/cache/explain")
+        try:
+            return await asyncio.to_thread(
+                runtime.explain_cache, body.text, input_ids=body.input_ids, messages=body.messages,
+                cache_salt=cache_salt(key, body.cache_salt),
+            )
+        except ValueError as error:
+            raise _bad_request(error, "text") from None
+
+    @app.get("/cache/tree.svg")
+    async def cache_tree_svg(max_nodes: int = 200, key: str | None = Depends(tenant)) -> Response:
+        # With per-key isolation a tenant sees its own namespace only, never the others' prefixes.
+        namespace = cache_salt(key, None) if settings.cache_isolation == "per-key" else ALL_NAMESPACES
+        try:
+            svg = await asyncio.to_thread(runtime.cache_tree_svg, max_nodes, cache_salt=namespace)
+        except ValueError as error:
+            raise _bad_request(error, "max_nodes") from None
+        return Response(svg, media_type="image/svg+xml")
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return HTMLResponse(DASHBOARD_HTML)
 
     @app.get("/metrics")
     async def metrics(key: str | None = Depends(tenant)) -> Response:

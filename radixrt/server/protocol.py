@@ -129,5 +129,14 @@ class GenerateRequest(_Body):
     cache_salt: str | None = None
 
 
+class ExplainRequest(_Body):
+    """`/cache/explain`: one prompt, in any form `/generate` or chat takes."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    cache_salt: str | None = None
+
+
 class AbortRequest(_Body):
     rid: str = Field(min_length=1)

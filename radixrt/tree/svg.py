@@ -15,6 +15,7 @@ bar under each box grows with the edge's tokens (log scale).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Hashable, Sequence
 from xml.sax.saxutils import escape
 
@@ -36,6 +37,15 @@ _OLD_BLUE = (219, 234, 254)
 _NEW_BLUE = (59, 130, 246)
 
 Decode = Callable[[Sequence[int]], str]
+
+# Characters XML 1.0 cannot hold even escaped (control characters, lone surrogates, U+FFFE/U+FFFF):
+# a token can decode to any of them.
+_NOT_XML = re.compile("[^\t\n\r\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _xml_text(text: str) -> str:
+    """`text` escaped for XML, with characters XML cannot hold shown as \\xNN."""
+    return escape(_NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
 
 
 def render_svg(snapshot: TreeSnapshot, decode: Decode, namespace_label: Callable[[Hashable], str]) -> str:
@@ -139,11 +149,11 @@ def _box(
     bar = BOX_WIDTH * math.log1p(view.num_tokens) / math.log1p(max(max_tokens, 1)) if view.num_tokens else 0
     return (
         f'<g class="node {view.state}" data-node-id="{view.node_id}" data-tokens="{view.num_tokens}">'
-        f"<title>{escape(title)}</title>"
+        f"<title>{_xml_text(title)}</title>"
         f'<rect x="{x:.0f}" y="{y:.0f}" width="{BOX_WIDTH}" height="{BOX_HEIGHT}" rx="5" fill="{fill}" '
         f'stroke="#6b7280"{dash}/>'
-        f'<text x="{x + 6:.0f}" y="{y + 15:.0f}" fill="{text_colour}">{escape(snippet)}</text>'
-        f'<text x="{x + 6:.0f}" y="{y + 30:.0f}" fill="{text_colour}" font-size="10">{escape(counts)}</text>'
+        f'<text x="{x + 6:.0f}" y="{y + 15:.0f}" fill="{text_colour}">{_xml_text(snippet)}</text>'
+        f'<text x="{x + 6:.0f}" y="{y + 30:.0f}" fill="{text_colour}" font-size="10">{_xml_text(counts)}</text>'
         f'<rect x="{x:.0f}" y="{y + BOX_HEIGHT - 3:.0f}" width="{bar:.0f}" height="3" fill="#374151"/>'
         "</g>"
     )
