@@ -47,6 +47,10 @@ DASHBOARD_HTML = """<!doctype html>
 <svg id="history" width="640" height="140" viewBox="0 0 640 140">
   <text x="8" y="16" font-size="12" fill="#2563eb">hit rate</text>
   <text x="80" y="16" font-size="12" fill="#f59e0b">KV pool used</text>
+  <text x="604" y="30" font-size="10" fill="#6b7280">100%</text>
+  <text x="620" y="128" font-size="10" fill="#6b7280">0%</text>
+  <line x1="0" y1="25" x2="640" y2="25" stroke="#e5e7eb"/>
+  <line x1="0" y1="130" x2="640" y2="130" stroke="#e5e7eb"/>
   <polyline id="hit-line" fill="none" stroke="#2563eb" stroke-width="2" points=""/>
   <polyline id="usage-line" fill="none" stroke="#f59e0b" stroke-width="2" points=""/>
 </svg>
