@@ -21,7 +21,7 @@ Systems (--systems), each started fresh, from an empty cache:
                (bench/ray_prefix_baseline.py; it cannot report work per replica)
 Every radixrt process gets cores / N compute threads (single: all cores).
 
-Per system and N: the share of prompt tokens served from cache (usage's
+Every system runs --reps times (rounds in alternating order); per system and N, the median of: the share of prompt tokens served from cache (usage's
 cached_tokens), the prefill tokens computed, TTFT p50/p99, output tokens/s
 over the run, and the load per replica (tokens it computed, from
 /get_server_info), as max/min. Goals (issue #18): prefix reuses >= 95% of
@@ -29,7 +29,7 @@ what `single` reuses, computes >= 2x fewer prefill tokens than round_robin,
 keeps max/min load <= 1.5, and beats SGLang's router on cached share and TTFT p99.
 
 Run: python bench/scaleout_bench.py [--replicas 2,3] [--systems single,prefix,round_robin,least_load]
-     [--tenants 3] [--conversations 6] [--turns 3] [--new-tokens 16] [--max-total-tokens 32768]
+     [--tenants 3] [--conversations 6] [--turns 4] [--new-tokens 16] [--max-total-tokens 32768] [--reps 3]
      [--sglang-python PY] [--out results.json]
 """
 
@@ -223,12 +223,24 @@ def measure(name: str, replicas: int, conversations: list[Conversation], args: a
     }
 
 
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over repetitions; the work per replica of the run with the median wall time."""
+    middle = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
+    out = dict(middle)
+    for key, value in middle.items():
+        if isinstance(value, float) and all(r[key] is not None for r in runs):
+            out[key] = statistics.median(r[key] for r in runs)
+    out["prefill_tokens"] = statistics.median(r["prefill_tokens"] for r in runs)
+    out["runs"] = runs
+    return out
+
+
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| replicas | system | cached share | prefill tokens | TTFT p50 s | TTFT p99 s | output tok/s "
              "| work per replica | max/min |", "|---:|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in results:
         lines.append(
-            f"| {r['replicas']} | {r['system']} | {r['cached_share']:.1%} | {r['prefill_tokens']:,} "
+            f"| {r['replicas']} | {r['system']} | {r['cached_share']:.1%} | {r['prefill_tokens']:,.0f} "
             f"| {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['output_tokens_per_s']:.0f} "
             f"| {', '.join(f'{w:,}' for w in r['replica_work']) or 'n/a'} "
             f"| {'n/a' if r['load_max_over_min'] is None else format(r['load_max_over_min'], '.2f')} |"
@@ -242,9 +254,10 @@ def main() -> int:
     parser.add_argument("--systems", default="single,prefix,round_robin,least_load")
     parser.add_argument("--tenants", type=int, default=3)
     parser.add_argument("--conversations", type=int, default=6, help="per tenant")
-    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reps", type=int, default=3, help="runs of every system; figures are medians")
     parser.add_argument("--max-total-tokens", type=int, default=32768,
                         help="KV pool per replica (smaller: replicas evict, and routers that guess drift)")
     parser.add_argument("--sglang-python", help="a Python with sglang-router installed (for --systems sglang)")
@@ -257,15 +270,14 @@ def main() -> int:
         parser.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     conversations = workload(args.tenants, args.conversations, args.turns, args.seed)
     log = Path(args.log)
-    results = []
-    if "single" in names:
-        results.append(measure("single", 1, conversations, args, log))
-        print(table(results[-1:]), flush=True)
-    for replicas in (int(n) for n in args.replicas.split(",")):
-        for name in names:
-            if name != "single":
-                results.append(measure(name, replicas, conversations, args, log))
-                print(table(results[-1:]), flush=True)
+    plan = [("single", 1)] if "single" in names else []
+    plan += [(name, int(n)) for n in args.replicas.split(",") for name in names if name != "single"]
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in plan}
+    for rep in range(args.reps):  # whole rounds, the order reversed every other round
+        for name, replicas in plan if rep % 2 == 0 else reversed(plan):
+            runs[(name, replicas)].append(measure(name, replicas, conversations, args, log))
+            print(f"rep {rep + 1}:", table(runs[(name, replicas)][-1:]).splitlines()[-1], flush=True)
+    results = [median_of(runs[key]) for key in plan]
     print()
     print(table(results))
     if args.out:
