@@ -35,7 +35,7 @@ from radixrt.tree.keys import (
     unpack_slots,
 )
 from radixrt.tree.node import MatchResult, TreeNode
-from radixrt.tree.snapshot import ALL_NAMESPACES, AllNamespaces, EvictedEdge, TreeSnapshot, evicted_edge, take_snapshot
+from radixrt.tree.snapshot import ALL_NAMESPACES, AllNamespaces, EvictedEdge, TreeSnapshot, take_snapshot
 from radixrt.tree.walk import walk
 
 EVICTED_KEPT = 16
@@ -255,7 +255,7 @@ class RadixTree:
             del parent.children[node.key[:page_bytes]]
             node.parent = None
             freed.append(node.slots)
-            self._evicted.append(evicted_edge(node, parent, self._clock))
+            self._evicted.append((node, parent, self._clock))
             num_freed += node.num_tokens
             self._evictable_tokens -= node.num_tokens
             if parent.parent is not None:

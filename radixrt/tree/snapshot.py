@@ -33,15 +33,11 @@ ALL_NAMESPACES = AllNamespaces()
 NodeState = Literal["namespace", "locked", "evictable", "evicted", "folded"]
 
 
-@dataclass(frozen=True)
-class EvictedEdge:
-    """What the tree remembers of an edge it evicted, to draw it as a ghost."""
-
-    node_id: int
-    parent: TreeNode
-    head: tuple[int, ...]
-    num_tokens: int
-    evicted_at: int
+EvictedEdge = tuple[TreeNode, TreeNode, int]
+"""What the tree remembers of an edge it evicted, to draw it as a ghost: (the dead
+node, its parent then, the tree's clock then). A plain tuple: `RadixTree.evict`
+makes one per evicted node on its hot path, and reads nothing more until a
+snapshot asks."""
 
 
 @dataclass(frozen=True)
@@ -186,18 +182,12 @@ def _add_ghosts(
 
     Kept nodes are live ones, so a parent evicted since is simply not found.
     """
-    for edge in evicted:
-        parent_id = edge.parent.node_id
-        if parent_id in kept:
-            children_of.setdefault(parent_id, []).append(
-                NodeView(edge.node_id, parent_id, "evicted", edge.num_tokens, edge.head, edge.evicted_at)
+    for node, parent, evicted_at in evicted:
+        if parent.node_id in kept:
+            children_of.setdefault(parent.node_id, []).append(
+                NodeView(node.node_id, parent.node_id, "evicted", node.num_tokens, _head(node.key), evicted_at)
             )
 
 
 def _head(key: bytes) -> tuple[int, ...]:
     return tuple(memoryview(key[: HEAD_TOKENS * TOKEN_BYTES]).cast("Q").tolist())
-
-
-def evicted_edge(node: TreeNode, parent: TreeNode, clock: int) -> EvictedEdge:
-    """The record `RadixTree.evict` keeps of an edge it removes."""
-    return EvictedEdge(node.node_id, parent, _head(node.key), node.num_tokens, clock)
