@@ -109,6 +109,9 @@ def test_one_conversation_stays_on_one_replica(fleet):
     served, cached = conversation("You keep the ledger of the harbour office. " * 4, 4, fleet)
     assert len(served) == 1
     assert all(c > 0 for c in cached[1:])  # every later turn reused the earlier ones
+    metrics = get(fleet, "/metrics").text
+    assert 'radixrt:replica_cache_hit_rate{replica="replica-0"}' in metrics
+    assert 'radixrt:replica_routed{replica="replica-1"} 1.0' in metrics
 
 
 def test_streams_and_batches_come_back_in_order(fleet):

@@ -255,3 +255,19 @@ def test_overload_is_a_503_and_nothing_else_is_lost(runtime):
     response = call(app, "POST", "/v1/completions", {"prompt": ["x", "y", "z"], "max_tokens": 1, "n": n})
     assert response.status_code == 503 and response.json()["error"]["code"] == "overloaded"
     assert call(app, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_metrics_label_each_replica():
+    """With replicas, /metrics adds one labelled series per replica to the added-up gauges."""
+    from radixrt.server.metrics import ServerMetrics
+
+    stats = {"running_requests": 3, "waiting_requests": 1, "pool_used_tokens": 50, "pool_total_tokens": 200,
+             "hit_rate": 0.5}
+    replicas = [{"name": "replica-0", "routed": True, "in_flight": 2, "cache_stats": {**stats, "hit_rate": 0.75}},
+                {"name": "replica-1", "routed": False, "in_flight": 0, "cache_stats": None}]
+    families = {f.name: f for f in text_string_to_metric_families(ServerMetrics().render(stats, replicas).decode())}
+    hit = {s.labels["replica"]: s.value for s in families["radixrt:replica_cache_hit_rate"].samples}
+    assert hit == {"replica-0": 0.75}  # replica-1 did not answer: no figure rather than a stale one
+    routed = {s.labels["replica"]: s.value for s in families["radixrt:replica_routed"].samples}
+    assert routed == {"replica-0": 1.0, "replica-1": 0.0}
+    assert families["radixrt:cache_hit_rate"].samples[0].value == 0.5

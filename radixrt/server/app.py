@@ -387,7 +387,8 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     @app.get("/metrics")
     async def metrics(key: str | None = Depends(tenant)) -> Response:
         stats = await asyncio.to_thread(runtime.cache_stats)
-        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+        replicas = await asyncio.to_thread(runtime.replica_stats) if hasattr(runtime, "replica_stats") else None
+        return Response(state.metrics.render(stats, replicas), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.state.radixrt = state
     return app

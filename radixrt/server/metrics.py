@@ -7,6 +7,7 @@ time, so they are never stale.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -49,6 +50,21 @@ class ServerMetrics:
         self.queue_time = Histogram(
             PREFIX + "queue_time_seconds", "Submission to admission", buckets=_LATENCY_BUCKETS, registry=registry
         )
+        # With replicas (radixrt serve --replicas N) the gauges above add the replicas up; these say each one's.
+        self.replica_gauges = {
+            "num_running_reqs": Gauge(PREFIX + "replica_num_running_reqs", "Requests being computed, per replica",
+                                      ["replica"], registry=registry),
+            "num_queue_reqs": Gauge(PREFIX + "replica_num_queue_reqs", "Requests waiting for admission, per replica",
+                                    ["replica"], registry=registry),
+            "token_usage": Gauge(PREFIX + "replica_token_usage", "Share of the replica's KV pool in use",
+                                 ["replica"], registry=registry),
+            "cache_hit_rate": Gauge(PREFIX + "replica_cache_hit_rate", "The replica's cached / prompt tokens",
+                                    ["replica"], registry=registry),
+            "in_flight": Gauge(PREFIX + "replica_in_flight", "Requests the router has in flight on the replica",
+                               ["replica"], registry=registry),
+            "routed": Gauge(PREFIX + "replica_routed", "1 while the router sends the replica requests, else 0",
+                            ["replica"], registry=registry),
+        }
 
     def observe_finished(self, meta: dict[str, Any]) -> None:
         """One finished request's meta_info."""
@@ -76,11 +92,28 @@ class ServerMetrics:
         self.aborted_requests.inc(num_requests)
         self.generation_tokens.inc(generated_tokens)
 
-    def render(self, stats: dict[str, Any]) -> bytes:
-        """The exposition text, with the gauges set from `cache_stats()`."""
+    def render(self, stats: dict[str, Any], replicas: list[dict[str, Any]] | None = None) -> bytes:
+        """The exposition text, with the gauges set from `cache_stats()` (and each replica's, if any)."""
         self.num_running_reqs.set(stats["running_requests"])
         self.num_queue_reqs.set(stats["waiting_requests"])
         self.token_usage.set(stats["pool_used_tokens"] / max(stats["pool_total_tokens"], 1))
         self.cache_hit_rate.set(stats["hit_rate"])
+        for replica in replicas or []:
+            self._set_replica(replica)
         return generate_latest(self.registry)
+
+    def _set_replica(self, replica: dict[str, Any]) -> None:
+        gauges, name = self.replica_gauges, replica["name"]
+        gauges["in_flight"].labels(name).set(replica["in_flight"])
+        gauges["routed"].labels(name).set(1 if replica["routed"] else 0)
+        stats = replica.get("cache_stats")
+        if stats is None:  # it did not answer: no figures rather than stale ones
+            for key in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate"):
+                with contextlib.suppress(KeyError):
+                    gauges[key].remove(name)
+            return
+        gauges["num_running_reqs"].labels(name).set(stats["running_requests"])
+        gauges["num_queue_reqs"].labels(name).set(stats["waiting_requests"])
+        gauges["token_usage"].labels(name).set(stats["pool_used_tokens"] / max(stats["pool_total_tokens"], 1))
+        gauges["cache_hit_rate"].labels(name).set(stats["hit_rate"])
 
