@@ -56,7 +56,8 @@ def test_explain_over_http_is_the_runtimes_report(app, runtime):
     [
         ({}, None, "exactly one"),
         ({"text": ""}, "text", "empty"),
-        ({"input_ids": [1] * 1100}, "text", "context length"),
+        ({"input_ids": [1] * 1100}, "input_ids", "context length"),
+        ({"messages": [{"role": "user"}]}, "messages", "messages"),
         ({"text": "hi", "cache_salt": 7}, "cache_salt", "string"),
         ({"text": "hi", "input_ids": [1, 2]}, None, "exactly one"),
     ],

@@ -368,7 +368,8 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
                 cache_salt=cache_salt(key, body.cache_salt),
             )
         except ValueError as error:
-            raise _bad_request(error, "text") from None
+            given = "input_ids" if body.input_ids is not None else "messages" if body.messages is not None else "text"
+            raise _bad_request(error, given) from None
 
     @app.get("/cache/tree.svg")
     async def cache_tree_svg(max_nodes: int = 200, key: str | None = Depends(tenant)) -> Response:
