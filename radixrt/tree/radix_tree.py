@@ -35,11 +35,19 @@ from radixrt.tree.keys import (
     unpack_slots,
 )
 from radixrt.tree.node import MatchResult, TreeNode
-from radixrt.tree.snapshot import ALL_NAMESPACES, AllNamespaces, EvictedEdge, TreeSnapshot, take_snapshot
+from radixrt.tree.snapshot import (
+    ALL_NAMESPACES,
+    HEAD_TOKENS,
+    AllNamespaces,
+    EvictedEdge,
+    TreeSnapshot,
+    take_snapshot,
+)
 from radixrt.tree.walk import walk
 
 EVICTED_KEPT = 16
 """Evicted edges remembered for pictures (drawn as ghosts under their parent)."""
+GHOST_KEY_BYTES = HEAD_TOKENS * TOKEN_BYTES
 
 
 def _eviction_event(node: TreeNode) -> CacheEvent:
@@ -255,7 +263,8 @@ class RadixTree:
             del parent.children[node.key[:page_bytes]]
             node.parent = None
             freed.append(node.slots)
-            self._evicted.append((node, parent, self._clock))
+            ghost_head = node.key[:GHOST_KEY_BYTES]
+            self._evicted.append((node.node_id, parent.node_id, node.num_tokens, ghost_head, self._clock))
             num_freed += node.num_tokens
             self._evictable_tokens -= node.num_tokens
             if parent.parent is not None:

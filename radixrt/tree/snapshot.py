@@ -33,11 +33,13 @@ ALL_NAMESPACES = AllNamespaces()
 NodeState = Literal["namespace", "locked", "evictable", "evicted", "folded"]
 
 
-EvictedEdge = tuple[TreeNode, TreeNode, int]
+EvictedEdge = tuple[int, int, int, bytes, int]
 """What the tree remembers of an edge it evicted, to draw it as a ghost: (the dead
-node, its parent then, the tree's clock then). A plain tuple: `RadixTree.evict`
-makes one per evicted node on its hot path, and reads nothing more until a
-snapshot asks."""
+node's id, its parent's id, its tokens, the first `HEAD_TOKENS` of its key, the
+tree's clock then). A plain tuple of small values: `RadixTree.evict` makes one per
+evicted node on its hot path, and holding the node itself kept its key and slots
+(240 KB each for a 30k-token edge) alive until 16 more evictions had passed, which
+made the long-context trace of bench/tree_bench.py ~15% slower."""
 
 
 @dataclass(frozen=True)
@@ -182,10 +184,10 @@ def _add_ghosts(
 
     Kept nodes are live ones, so a parent evicted since is simply not found.
     """
-    for node, parent, evicted_at in evicted:
-        if parent.node_id in kept:
-            children_of.setdefault(parent.node_id, []).append(
-                NodeView(node.node_id, parent.node_id, "evicted", node.num_tokens, _head(node.key), evicted_at)
+    for node_id, parent_id, num_tokens, head, evicted_at in evicted:
+        if parent_id in kept:
+            children_of.setdefault(parent_id, []).append(
+                NodeView(node_id, parent_id, "evicted", num_tokens, _head(head), evicted_at)
             )
 
 
