@@ -6,7 +6,7 @@ Workload (seeded, built here): multi-tenant chat. --tenants system prompts
 of 250-300 tokens (serve_bench's shop assistants), --conversations per
 tenant, each opening with its own ~200-token document (a customer's order
 history) before its first question, --turns turns. Every turn sends all
-conversations at once and waits for all of them (an answer is exactly
+conversations at once, in a seeded order of its own, and waits for all of them (an answer is exactly
 --new-tokens greedy tokens, resent verbatim in the next turn), so every
 turn's routing decisions are made with the whole fleet busy.
 
@@ -99,8 +99,13 @@ def workload(tenants: int, per_tenant: int, turns: int, seed: int) -> list[Conve
     return conversations
 
 
-async def run_turns(url: str, conversations: list[Conversation], new_tokens: int) -> tuple[list[Sample], float]:
-    """Every conversation's turn t at once, for each t; returns the samples and the wall time."""
+async def run_turns(
+    url: str, conversations: list[Conversation], new_tokens: int, seed: int = 0
+) -> tuple[list[Sample], float]:
+    """Every conversation's turn t at once, for each t, sent in a seeded order of its own (as a
+    service sees them: whoever answers first asks first; a fixed order would hand round_robin
+    each conversation's replica again whenever N divides the number of conversations);
+    returns the samples and the wall time."""
     histories = [[{"role": "system", "content": c.system}] for c in conversations]
     samples: list[Sample] = []
     limits = httpx.Limits(max_connections=len(conversations) + 4, max_keepalive_connections=len(conversations) + 4)
@@ -112,9 +117,12 @@ async def run_turns(url: str, conversations: list[Conversation], new_tokens: int
             for conversation, history in zip(conversations, histories):
                 question = conversation.questions[turn]
                 history.append({"role": "user", "content": conversation.document + question if turn == 0 else question})
-            results = await asyncio.gather(*(path.run(Job(new_tokens, messages=list(h), model=model))
-                                             for h in histories))
-            for history, sample in zip(histories, results):
+            order = list(range(len(histories)))
+            random.Random(seed * 1000 + turn).shuffle(order)
+            sent = await asyncio.gather(*(path.run(Job(new_tokens, messages=list(histories[i]), model=model))
+                                          for i in order))
+            results = [sample for _, sample in sorted(zip(order, sent, strict=True), key=lambda pair: pair[0])]
+            for history, sample in zip(histories, results, strict=True):
                 history.append({"role": "assistant", "content": sample.text})
             samples.extend(results)
         return samples, time.perf_counter() - start
@@ -209,7 +217,7 @@ def measure(name: str, replicas: int, conversations: list[Conversation], args: a
     with system(name, replicas, args.max_total_tokens, log, args.sglang_python) as (url, stat_urls):
         asyncio.run(run_turns(url, [Conversation("Be brief.", "", ("Hello!",))], args.new_tokens))  # warm-up
         before = replica_work(stat_urls)
-        samples, wall = asyncio.run(run_turns(url, conversations, args.new_tokens))
+        samples, wall = asyncio.run(run_turns(url, conversations, args.new_tokens, args.seed))
         work = [after - b for after, b in zip(replica_work(stat_urls), before)]
     prompt = sum(s.prompt_tokens for s in samples)
     cached = sum(s.cached_tokens or 0 for s in samples)

@@ -111,6 +111,9 @@ def _add_global_options(parser: argparse.ArgumentParser, with_defaults: bool) ->
                        help="KV pool size in tokens (default: 1 GiB of KV on a CPU, 85%% of free memory on a GPU)")
     group.add_argument("--disable-radix-cache", action="store_true", default=default(False),
                        help="never reuse KV across requests (the baseline)")
+    group.add_argument("--deterministic", action="store_true", default=default(False),
+                       help="outputs bitwise independent of batching, chunking, memory pressure and the cache "
+                       "(docs/determinism.md)")
     group.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=default(None),
                        help="default: info for demo and serve (loading phases, a status line while busy), else warning")
 
@@ -199,13 +202,7 @@ def _run(args: argparse.Namespace, params: SamplingParams | None) -> int:
     logger.info("importing torch and transformers (a few seconds)")
     from radixrt.runtime import Runtime
 
-    options: dict[str, Any] = {
-        "device": args.device, "dtype": args.dtype, "weights": args.weights,
-        "attention_backend": args.attention_backend, "page_size": args.page_size,
-        "disable_radix_cache": args.disable_radix_cache,
-    }
-    if args.max_total_tokens is not None:
-        options["max_total_tokens"] = args.max_total_tokens
+    options = _runtime_options(args)
     try:
         runtime = Runtime(args.model, **options)
     except (ValueError, FileNotFoundError) as error:
@@ -229,6 +226,18 @@ def _run(args: argparse.Namespace, params: SamplingParams | None) -> int:
             print(f"radixrt: {error}", file=sys.stderr)
             return 2
     return 0
+
+
+def _runtime_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The global options as `Runtime` keyword arguments."""
+    options: dict[str, Any] = {
+        "device": args.device, "dtype": args.dtype, "weights": args.weights,
+        "attention_backend": args.attention_backend, "page_size": args.page_size,
+        "disable_radix_cache": args.disable_radix_cache, "deterministic": args.deterministic,
+    }
+    if args.max_total_tokens is not None:
+        options["max_total_tokens"] = args.max_total_tokens
+    return options
 
 
 def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> int:
@@ -262,12 +271,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--api-key-file: {error}")
     if args.cache_isolation == "per-key" and not keys:
         parser.error("--cache-isolation per-key needs --api-key or --api-key-file")
-    options: dict[str, Any] = {
-        "device": args.device, "dtype": args.dtype, "weights": args.weights,
-        "attention_backend": args.attention_backend,
-        "page_size": args.page_size, "disable_radix_cache": args.disable_radix_cache,
-    }
-    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size", "schedule_policy"):
+    options = _runtime_options(args)
+    for name in ("max_running_requests", "chunked_prefill_size", "schedule_policy"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     settings = ServerSettings(

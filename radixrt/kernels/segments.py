@@ -11,6 +11,14 @@ row, merged by log-sum-exp. For a batch of few new tokens:
                      decode is one segment of its whole sequence
     new keys         an extend's new token j sees new tokens 0..j: one short
                      segment per extend row
+
+The kernel reduces a segment's keys in chunks of `ATTENTION_CHUNK` from the
+segment's start and merges a row's partial results in segment order, so
+where the segments start decides the order of a row's float additions. Here
+that order depends on the batch: the shared prefix's length, how much of a
+prompt was cached or came in an earlier chunk. `aligned_attention_segments`
+plans the same attention so that it does not: every row's keys in the same
+pieces, in the same order, whatever else the step holds (`docs/determinism.md`).
 """
 
 from __future__ import annotations
@@ -77,4 +85,47 @@ def attention_segments(batch: ForwardBatch, shared_prefix_min_tokens: int) -> At
         lens=torch.tensor(lens, dtype=torch.int64),
         row_ptr=torch.tensor(row_ptr, dtype=torch.int64),
         rows=torch.tensor([row for segment_rows in rows for row in segment_rows], dtype=torch.int64),
+    )
+
+
+def aligned_attention_segments(batch: ForwardBatch, shared_prefix_min_tokens: int, chunk: int) -> AttentionSegments:
+    """Full causal attention of every new token of `batch`, each row's keys cut at whole `chunk`s.
+
+    A token at position p attends keys [0, p]: the whole chunks [k * chunk,
+    (k + 1) * chunk) below p + 1, then the rest [K * chunk, p + 1). Each is a
+    segment no longer than the kernel's chunk (so it is reduced as one
+    piece), listed in key order (so it is merged in that order), and its
+    arithmetic depends on the row's own position and keys alone. A whole
+    chunk inside a prefix several sequences share is one segment for all
+    their rows that see it, read once, as in `attention_segments`.
+    """
+    kv_starts = batch.kv_indptr[:-1].tolist()
+    q_starts = batch.qo_indptr[:-1].tolist()
+    shared_chunks: dict[int, tuple[int, int]] = {}  # sequence -> (its group's first member, shared whole chunks)
+    if batch.num_seqs > 1:
+        for prefix in find_shared_prefixes(batch.kv_indices, kv_starts, batch.prefix_lens, shared_prefix_min_tokens):
+            for member in prefix.members:
+                shared_chunks[member] = (prefix.members[0], prefix.length // chunk)
+    # (chunk index, start in kv_indices, length) -> rows; dicts keep the order segments were first met
+    segments: dict[tuple[int, int, int], list[int]] = {}
+    for i, (prefix_len, extend_len) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+        owner, num_shared = shared_chunks.get(i, (i, 0))
+        for k in range((prefix_len + extend_len) // chunk):
+            first = max(0, (k + 1) * chunk - 1 - prefix_len)  # the first new token that sees all of chunk k
+            start = kv_starts[owner if k < num_shared else i] + k * chunk
+            segments.setdefault((k, start, chunk), []).extend(range(q_starts[i] + first, q_starts[i] + extend_len))
+        for j in range(extend_len):
+            keys = prefix_len + j + 1
+            if keys % chunk:
+                k = keys // chunk
+                segments.setdefault((k, kv_starts[i] + k * chunk, keys % chunk), []).append(q_starts[i] + j)
+    ordered = sorted(segments.items(), key=lambda item: item[0][0])  # stable: key order within every row
+    row_ptr = [0]
+    for _, segment_rows in ordered:
+        row_ptr.append(row_ptr[-1] + len(segment_rows))
+    return AttentionSegments(
+        starts=torch.tensor([start for (_, start, _), _ in ordered], dtype=torch.int64),
+        lens=torch.tensor([length for (_, _, length), _ in ordered], dtype=torch.int64),
+        row_ptr=torch.tensor(row_ptr, dtype=torch.int64),
+        rows=torch.tensor([row for _, segment_rows in ordered for row in segment_rows], dtype=torch.int64),
     )

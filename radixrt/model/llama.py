@@ -18,6 +18,11 @@ per distinct one.
 On native 4-bit weights, a step of at most `STACK_MAX_ROWS` tokens through
 radixrt's C attention runs every layer in one C call instead
 (`Int4DecodeStack`): `plan_attention` then returns a `StackedStep`.
+
+Deterministic steps (`deterministic=True` to `plan_attention` and
+`compute_logits`) go through that kernel and the file's own LM head whatever
+their size, with attention cut at whole chunks: each token's logits are then
+bitwise those it gets in any other batch (`docs/determinism.md`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from torch import nn
 from radixrt.kernels import cpu
 from radixrt.kernels.base import AttentionBackend, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
-from radixrt.kernels.segments import AttentionSegments, attention_segments
+from radixrt.kernels.segments import AttentionSegments, aligned_attention_segments, attention_segments
 from radixrt.kernels.torch_backend import TorchAttentionBackend
 from radixrt.model import gemma, linear
 from radixrt.model.config import ModelConfig
@@ -254,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._lm_head = linear.plain(self.lm_head)
         self._stack: Int4DecodeStack | None = None  # set by use_int4_projections where it applies
+        self._exact_lm_head: linear.Linear | None = None  # the file's quantized head, for every row count
 
     def prepack(self) -> None:
         """Call once the weights are loaded: faster projections, identical results."""
@@ -284,7 +290,8 @@ class LlamaForCausalLM(nn.Module):
         if head is not None:
             if head.shape != tuple(self.lm_head.shape):
                 raise ValueError(f"quantized LM head shape {head.shape}, model expects {tuple(self.lm_head.shape)}")
-            self._lm_head = linear.by_rows(linear.lm_head(head, self.dtype), self._lm_head, INT4_MAX_ROWS)
+            self._exact_lm_head = linear.lm_head(head, self.dtype)
+            self._lm_head = linear.by_rows(self._exact_lm_head, self._lm_head, INT4_MAX_ROWS)
 
     @property
     def device(self) -> torch.device:
@@ -297,9 +304,34 @@ class LlamaForCausalLM(nn.Module):
     def _decoder_layers(self) -> list[LlamaDecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
 
-    def plan_attention(self, batch: ForwardBatch, backend: AttentionBackend[Any]) -> StepPlan:
+    def deterministic_problem(self, backend: AttentionBackend[Any]) -> str | None:
+        """Why steps of this model through `backend` cannot be batch-invariant, or None if they can.
+
+        Only radixrt's own kernels are invariant by construction (every row the same
+        instructions whatever the step holds): the whole-stack kernel on native 4-bit weights,
+        a Llama without extras, the file's own quantized LM head, the torch backend reading
+        the pool in place (the CPU).
+        """
+        if not (isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place):
+            return (f"the {backend.name} attention backend is not batch-invariant; deterministic steps run "
+                    "on the CPU (attention_backend='torch' or 'auto')")
+        if self._stack is None:
+            return ("deterministic steps need the whole-step C kernel: a plain Llama-family GGUF model with "
+                    "Q4_0/Q4_1 projections, weights='native', dtype=bfloat16, a CPU with AVX512-BF16 and a C "
+                    f"compiler (this model: {self.config.architecture}, {str(self.dtype).removeprefix('torch.')})")
+        if self._exact_lm_head is None:
+            return "deterministic steps need the GGUF file's LM head stored as Q4_0, Q4_1 or Q8_0"
+        return None
+
+    def plan_attention(self, batch: ForwardBatch, backend: AttentionBackend[Any], deterministic: bool = False) -> StepPlan:
         """`backend`'s plans of this batch, one per distinct `LayerAttention` of the layers; or,
-        for a step the whole-stack kernel takes, its `StackedStep`."""
+        for a step the whole-stack kernel takes (every deterministic step: check
+        `deterministic_problem` first), its `StackedStep`."""
+        if deterministic:
+            assert self._stack is not None and isinstance(backend, TorchAttentionBackend)
+            (attention,) = dict.fromkeys(layer.attention for layer in self._decoder_layers())
+            segments = aligned_attention_segments(batch, backend.shared_prefix_min_tokens, self._stack.attention_chunk)
+            return StackedStep(segments, backend.softmax_scale(attention))
         kinds = dict.fromkeys(layer.attention for layer in self._decoder_layers())
         stacked = (self._stack is not None and batch.num_tokens <= STACK_MAX_ROWS
                    and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place)
@@ -332,10 +364,13 @@ class LlamaForCausalLM(nn.Module):
                 hidden = layer.forward(hidden, cos, signed_sin, rope, batch, backend, plans[layer.attention])
         return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_rows: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """float32 logits [N, vocab_size] for N rows of `forward`'s output (soft-capped where the
-        config says, in float32)."""
-        logits = self._lm_head(hidden_rows).float()
+        config says, in float32). `deterministic`: through the file's own head for any N (the dense
+        one, faster for many rows, is another rounding of the weights)."""
+        head = self._exact_lm_head if deterministic else self._lm_head
+        assert head is not None, "check deterministic_problem first"
+        logits = head(hidden_rows).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else gemma.soft_cap(logits, cap)
 

@@ -50,7 +50,8 @@ class ModelRunner:
     `batch.out_slots`; which slots those are, and who owns them afterwards,
     is the caller's business (the scheduler allocates them from the PagePool).
     `threads` (CPU only) sets torch's thread count for each step, restoring it
-    afterwards; None leaves it alone.
+    afterwards; None leaves it alone. `deterministic`: every step batch-invariant
+    (`LlamaForCausalLM.deterministic_problem` says why it cannot be: ValueError).
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class ModelRunner:
         kv_cache: KVCache,
         backend: AttentionBackend[Any],
         threads: StepThreads | None = None,
+        deterministic: bool = False,
     ):
         config = model.config
         expected = (config.num_layers, config.num_kv_heads, config.head_dim)
@@ -74,6 +76,9 @@ class ModelRunner:
             raise ValueError(f"kv_cache is on {kv_cache.device}, the model on {model.device}")
         if backend.kv_cache is not kv_cache:
             raise ValueError("backend must be built over the same kv_cache")
+        if deterministic and (problem := model.deterministic_problem(backend)) is not None:
+            raise ValueError(f"deterministic=True: {problem}")
+        self.deterministic = deterministic
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -100,9 +105,10 @@ class ModelRunner:
             torch.set_num_threads(wanted)
         try:
             with torch.inference_mode(), cpu.kernel_threads(None if self.threads is None else self.threads.large):
-                plans = self.model.plan_attention(batch, self.backend)
+                plans = self.model.plan_attention(batch, self.backend, self.deterministic)
                 hidden = self.model.forward(batch, self.backend, plans)
-                return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)))
+                rows = hidden.index_select(0, logit_rows.to(hidden.device))
+                return self.model.compute_logits(rows, self.deterministic)
         finally:
             if wanted != previous:  # the thread count is the process's: leave it as found
                 torch.set_num_threads(previous)

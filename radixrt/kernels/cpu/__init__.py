@@ -331,6 +331,8 @@ class DecodeStack:
 
     def __init__(self, library: ctypes.CDLL):
         self._fn = library.radixrt_int4_decode_stack_bf16
+        # the keys attention reduces as one piece (`segments.aligned_attention_segments`)
+        self.attention_chunk = int(library.radixrt_attention_chunk())
         pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self._fn.argtypes = [
             pointer, i64, i64, i32, pointer,  # hidden, rows, dim, num_layers, layer weights

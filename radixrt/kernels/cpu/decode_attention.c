@@ -179,6 +179,9 @@ struct AttentionWork {
 
 static int64_t chunks_of(int64_t len) { return (len + CHUNK - 1) / CHUNK; }
 
+/* Keys reduced as one piece: a row's result depends on where its segments cut its keys into these. */
+int radixrt_attention_chunk(void) { return CHUNK; }
+
 static int64_t segment_rows(const Segments *seg, int s) { return seg->row_ptr[s + 1] - seg->row_ptr[s]; }
 
 /* Partial vector of (segment s, chunk c, KV head h, row p of the segment, g). */
