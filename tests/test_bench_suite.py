@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from radixrt.benchmarks.metrics import SEQUENTIAL_FIELDS, SUMMARY_FIELDS, percentile
-from radixrt.benchmarks.systems import SYSTEM_NAMES
+from radixrt.benchmarks.systems import DEFAULT_SYSTEMS
 from radixrt.benchmarks.workloads import FULL, QUICK, WORKLOAD_NAMES, build_workloads, common_prefix_len
 from radixrt.cli import main as cli_main
 
@@ -44,7 +44,7 @@ def test_quick_suite_writes_every_field(tiny_llama_dir: Path, tmp_path: Path) ->
     for name, info in report["workloads"].items():
         assert all(field in info for field in WORKLOAD_FIELDS), name
     for workload, by_system in report["results"].items():
-        assert list(by_system) == list(SYSTEM_NAMES), workload
+        assert list(by_system) == list(DEFAULT_SYSTEMS), workload
         for system, summary in by_system.items():
             fields = SUMMARY_FIELDS + (SEQUENTIAL_FIELDS if workload == "table" else ())
             assert all(isinstance(summary[f], (int, float)) for f in fields), (workload, system)

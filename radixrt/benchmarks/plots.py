@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_COLORS = {"radixrt": "#1f77b4", "radixrt-no-cache": "#9ecae1", "transformers": "#ff7f0e"}
+_COLORS = {"radixrt": "#1f77b4", "radixrt-no-cache": "#9ecae1", "radixrt-deterministic": "#08519c",
+           "transformers": "#ff7f0e"}
 
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path]:

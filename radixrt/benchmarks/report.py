@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-RATIO_PAIRS = (("radixrt", "transformers"), ("radixrt", "radixrt-no-cache"), ("radixrt-no-cache", "transformers"))
+RATIO_PAIRS = (("radixrt", "transformers"), ("radixrt", "radixrt-no-cache"), ("radixrt-no-cache", "transformers"),
+               ("radixrt-deterministic", "radixrt"))
 
 
 def machine(device: str, dtype: torch.dtype, model_name: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from radixrt.benchmarks.drivers import prime, run_workload
 from radixrt.benchmarks.metrics import RepMetrics, summarize
 from radixrt.benchmarks.plots import write_plots
 from radixrt.benchmarks.system_api import System, resolved_device
-from radixrt.benchmarks.systems import SYSTEM_NAMES, make_system, model_folder
+from radixrt.benchmarks.systems import DEFAULT_SYSTEMS, SYSTEM_NAMES, make_system, model_folder
 from radixrt.benchmarks.workloads import FULL, QUICK, WORKLOAD_NAMES, Sampling, Workload, build_workloads
 
 
@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=1, help="radixrt's KV page size")
     p.add_argument("--workloads", default=",".join(WORKLOAD_NAMES),
                    help=f"comma-separated, of {','.join(WORKLOAD_NAMES)}")
-    p.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma-separated, of {','.join(SYSTEM_NAMES)}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of {','.join(SYSTEM_NAMES)}")
     p.add_argument("--reps", type=int, default=None,
                    help="timed repetitions per workload and system (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny workloads: a smoke run (CI), not a measurement")

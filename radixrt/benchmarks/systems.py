@@ -1,4 +1,5 @@
-"""The systems under test, made by name: radixrt with its radix cache and without, and transformers.
+"""The systems under test, made by name: radixrt with its radix cache, without it, in deterministic
+mode, and transformers.
 
 A system turns prompts (token ids) into completions and says, for each, when
 its first and last tokens came and how much of its prompt came from a cache;
@@ -14,21 +15,25 @@ from typing import Any, Sequence
 from radixrt.benchmarks.system_api import Completion, System, completion_of_meta
 from radixrt.benchmarks.workloads import Sampling
 
-SYSTEM_NAMES = ("radixrt", "radixrt-no-cache", "transformers")
+SYSTEM_NAMES = ("radixrt", "radixrt-no-cache", "radixrt-deterministic", "transformers")
+# What a run measures unless --systems says otherwise: deterministic mode needs a native 4-bit
+# GGUF model, so it is asked for by name.
+DEFAULT_SYSTEMS = ("radixrt", "radixrt-no-cache", "transformers")
 
 
 class RadixSystem:
-    """radixrt.Runtime, with the radix cache on (`radixrt`) or off (`radixrt-no-cache`)."""
+    """radixrt.Runtime, with the radix cache on (`radixrt`) or off (`radixrt-no-cache`), or on and
+    deterministic (`radixrt-deterministic`: what batch invariance costs)."""
 
     concurrent = True
 
     def __init__(self, model: str | None, *, cache: bool, device: str, dtype: str, attention_backend: str,
-                 page_size: int):
+                 page_size: int, deterministic: bool = False):
         from radixrt.runtime import Runtime
 
-        self.name = "radixrt" if cache else "radixrt-no-cache"
+        self.name = "radixrt-deterministic" if deterministic else "radixrt" if cache else "radixrt-no-cache"
         self.runtime = Runtime(model, device=device, dtype=dtype, attention_backend=attention_backend,
-                               page_size=page_size, disable_radix_cache=not cache)
+                               page_size=page_size, disable_radix_cache=not cache, deterministic=deterministic)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, n: int = 1) -> list[list[Completion]]:
         params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
@@ -73,7 +78,8 @@ def make_system(name: str, model: str | None, device: str, dtype: str, attention
         from radixrt.benchmarks.hf_system import TransformersSystem
 
         return TransformersSystem(model_folder(model), device=device, dtype=dtype)
-    if name in ("radixrt", "radixrt-no-cache"):
-        return RadixSystem(model, cache=name == "radixrt", device=device, dtype=dtype,
-                           attention_backend=attention_backend, page_size=page_size)
+    if name in ("radixrt", "radixrt-no-cache", "radixrt-deterministic"):
+        return RadixSystem(model, cache=name != "radixrt-no-cache", device=device, dtype=dtype,
+                           attention_backend=attention_backend, page_size=page_size,
+                           deterministic=name == "radixrt-deterministic")
     raise ValueError(f"unknown system {name!r}; choose from {list(SYSTEM_NAMES)}")
