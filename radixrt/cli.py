@@ -111,9 +111,9 @@ def _add_global_options(parser: argparse.ArgumentParser, with_defaults: bool) ->
                        help="KV pool size in tokens (default: 1 GiB of KV on a CPU, 85%% of free memory on a GPU)")
     group.add_argument("--disable-radix-cache", action="store_true", default=default(False),
                        help="never reuse KV across requests (the baseline)")
-    group.add_argument("--deterministic", action="store_true", default=default(False),
+    group.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=default("auto"),
                        help="outputs bitwise independent of batching, chunking, memory pressure and the cache "
-                       "(docs/determinism.md)")
+                       "(docs/determinism.md); default: on where radixrt's CPU kernels serve the model")
     group.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=default(None),
                        help="default: info for demo and serve (loading phases, a status line while busy), else warning")
 

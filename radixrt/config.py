@@ -44,11 +44,13 @@ class RuntimeConfig:
     new_token_reserve_ratio: share of each running request's remaining
         max_new_tokens kept free for its future decode tokens when admitting
         new prompts; too low retracts more, too high admits fewer.
-    deterministic: every output bitwise independent of how requests were
-        batched, chunked, cached, evicted or retracted: greedy tokens, seeded
-        samples and log-probabilities (docs/determinism.md). Needs radixrt's
-        own CPU kernels (a GGUF Llama on native 4-bit weights in bfloat16); a
-        configuration they cannot serve is a ValueError at construction.
+    deterministic: True makes every output bitwise independent of how
+        requests were batched, chunked, cached, evicted or retracted: greedy
+        tokens, seeded samples and log-probabilities (docs/determinism.md).
+        It needs radixrt's own CPU kernels (a GGUF Llama on native 4-bit
+        weights in bfloat16); a configuration they cannot serve is a
+        ValueError at construction. "auto" (the default) is True where they
+        serve it (it costs nothing measurable there) and False elsewhere.
     check_invariants: check tree, pool and request bookkeeping after every step (tests).
 
     Tuning (the defaults were measured on the CPU path; see docs/design.md):
@@ -90,7 +92,7 @@ class RuntimeConfig:
     max_prefill_tokens: int = 8192
     new_token_reserve_ratio: float = 0.3
     check_invariants: bool = False
-    deterministic: bool = False
+    deterministic: bool | str = "auto"
     new_token_reserve_clip: int = 4096
     lpm_queue_limit: int = 128
     in_batch_share_min_tokens: int = 32
@@ -116,8 +118,8 @@ class RuntimeConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
         if not 0.0 <= self.new_token_reserve_ratio <= 1.0:
             raise ValueError(f"new_token_reserve_ratio must be in [0, 1], got {self.new_token_reserve_ratio!r}")
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if not (isinstance(self.deterministic, bool) or self.deterministic == "auto"):
+            raise ValueError(f"deterministic must be True, False or 'auto', got {self.deterministic!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:

@@ -272,5 +272,12 @@ def test_outputs_do_not_depend_on_batching_chunking_paging_memory_or_the_cache(l
 def test_deterministic_refuses_what_its_kernels_cannot_serve(tiny_llama_dir):
     with pytest.raises(ValueError, match="deterministic=True: deterministic steps need the whole-step C kernel"):
         Runtime(tiny_llama_dir, deterministic=True, max_total_tokens=256)
-    with pytest.raises(ValueError, match="deterministic must be True or False"):
+    with pytest.raises(ValueError, match="deterministic must be True, False or 'auto'"):
         Runtime(tiny_llama_dir, deterministic="yes", max_total_tokens=256)
+    with Runtime(tiny_llama_dir, max_total_tokens=256) as runtime:
+        assert runtime.deterministic is False, "auto: off where the kernels cannot serve it"
+
+
+def test_auto_is_deterministic_where_the_kernels_serve_the_model(loaded):
+    with Runtime(loaded, max_total_tokens=512) as runtime:
+        assert runtime.deterministic is True

@@ -217,6 +217,11 @@ class Runtime:
         self._driver.call(self.engine.flush_cache)
 
     # --- lifecycle ---------------------------------------------------------------------
+    @property
+    def deterministic(self) -> bool:
+        """Whether outputs are batch-invariant here (`deterministic="auto"` resolved; docs/determinism.md)."""
+        return self.engine.runner.deterministic
+
     def is_alive(self) -> bool:
         """True while the engine thread runs and has not stopped on an error."""
         return self._driver.is_alive()

@@ -81,7 +81,10 @@ def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
         shared_prefix_min_tokens=config.shared_prefix_min_tokens,
     )
     threads = StepThreads(config.small_step_threads, config.small_step_tokens)
-    runner = ModelRunner(loaded.model, kv_cache, backend, threads, deterministic=config.deterministic)
+    deterministic = config.deterministic
+    if deterministic == "auto":
+        deterministic = loaded.model.deterministic_problem(backend) is None
+    runner = ModelRunner(loaded.model, kv_cache, backend, threads, deterministic=bool(deterministic))
     pool = PagePool(num_pages, config.page_size)
     cache: CacheManager = NoPrefixCache(pool) if config.disable_radix_cache else RadixCacheManager(pool)
     limits = RequestLimits(
@@ -94,7 +97,7 @@ def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
         "page size %d, radix cache %s%s",
         time.perf_counter() - started, loaded.name, str(loaded.model.dtype).removeprefix("torch."), device,
         loaded.weights, backend.name, kv_cache.num_slots, kv_cache.total_bytes / 2**20, config.page_size,
-        "off" if config.disable_radix_cache else "on", ", deterministic" if config.deterministic else "",
+        "off" if config.disable_radix_cache else "on", ", deterministic" if runner.deterministic else "",
     )
     return BuiltEngine(Engine(runner, cache, config), loaded, limits, tuple(eos_token_ids(loaded)))
 
