@@ -135,6 +135,25 @@ def test_native_model_is_cached_and_close_to_dense():
 
 
 @pytest.mark.slow
+def test_native_dense_projections_are_built_from_the_codes_only_when_a_step_needs_them():
+    dense = load_model(None, dtype="bfloat16", weights="dense")
+    native = load_model(None, dtype="bfloat16", weights="native")
+    from radixrt.kernels.registry import create_backend
+    from radixrt.memory import KVCache
+    from radixrt.model.runner import ModelRunner
+
+    config = native.config
+    cache = KVCache(config.kv_shape(torch.bfloat16), 256)
+    backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim)
+    runner = ModelRunner(native.model, cache, backend, deterministic=False)
+    ids = list(range(100, 300))  # 200 tokens: past the 4-bit kernels' step sizes, so the dense path runs
+    runner.forward(ForwardBatch.build([ids], [0], [torch.arange(len(ids))]))
+    for ours, theirs in zip(native.model.layers, dense.model.layers):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), f"layer {ours.index} {name}"
+
+
+@pytest.mark.slow
 def test_runtime_with_native_weights_generates():
     with Runtime(weights="native", max_total_tokens=4096) as rt:
         out = rt.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})

@@ -49,6 +49,24 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     return fn
 
 
+def on_first_call(make: Callable[[], Linear]) -> Linear:
+    """The linear `make()` builds, built when it is first called.
+
+    For a copy of the weights that only some steps need: with native weights,
+    the dense bf16 projections serve only steps the 4-bit kernels leave to
+    them, which deterministic mode never does, so a start does not read,
+    convert and prepack 270 MB for them up front.
+    """
+    built: list[Linear] = []
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if not built:
+            built.append(make())
+        return built[0](x)
+
+    return linear
+
+
 def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Linear:
     """`x @ w.T (+ bias)` for `dtype` activations, with `w` held as 4-bit codes (CPU only)."""
     kernel = _own_kernel(weight, dtype)

@@ -27,6 +27,7 @@ bitwise those it gets in any other batch (`docs/determinism.md`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -71,6 +72,14 @@ class StackedStep:
 
 
 StepPlan = Mapping[LayerAttention, Any] | StackedStep
+
+
+@torch.no_grad()
+def _dense_from_codes(weight: Int4Weight, dense: torch.Tensor, bias: torch.Tensor | None) -> linear.Linear:
+    """The dense projection `dense` filled from 4-bit codes and prepacked: the same values the
+    checkpoint holds (the GGUF conversion wrote exactly these de-quantized weights; tested)."""
+    dense.copy_(weight.dequantize())
+    return linear.pack(dense, bias)
 
 
 def _torch_rms_norm(
@@ -139,12 +148,18 @@ class LlamaDecoderLayer(nn.Module):
         """Reorder the loaded weights for the platform's matmul (see `radixrt.model.linear`)."""
         self._bind_linears(linear.pack)
 
-    def use_int4(self, weights: dict[str, Int4Weight]) -> None:
-        for name, dense in (("qkv", self.qkv_proj), ("o", self.o_proj), ("gate_up", self.gate_up_proj),
-                            ("down", self.down_proj)):
+    def use_int4(self, weights: dict[str, Int4Weight], dense_loaded: bool = True) -> None:
+        """Multiply by 4-bit weights in small steps. `dense_loaded` False: the dense projections were
+        not read from the checkpoint; they are built from the codes if a step ever needs them."""
+        projections = {"qkv": (self.qkv_proj, self.qkv_bias), "o": (self.o_proj, self.o_bias),
+                       "gate_up": (self.gate_up_proj, None), "down": (self.down_proj, None)}  # fmt: skip
+        for name, (dense, _) in projections.items():
             if weights[name].shape != tuple(dense.shape):
                 raise ValueError(f"layer {self.index} {name}: 4-bit shape {weights[name].shape}, "
                                  f"model expects {tuple(dense.shape)}")
+        if not dense_loaded:
+            for name, (dense, bias) in projections.items():
+                setattr(self, name, linear.on_first_call(functools.partial(_dense_from_codes, weights[name], dense, bias)))
         config = self.config
         plain_llama = (self.q_norm is None and self.qkv_bias is None and self.o_bias is None
                        and self.pre_feedforward_norm is None and self.activation is F.silu
@@ -260,13 +275,20 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head = linear.plain(self.lm_head)
         self._stack: Int4DecodeStack | None = None  # set by use_int4_projections where it applies
         self._exact_lm_head: linear.Linear | None = None  # the file's quantized head, for every row count
+        self._dense_projections = True  # False: not loaded (native weights); built from the codes when needed
 
-    def prepack(self) -> None:
-        """Call once the weights are loaded: faster projections, identical results."""
-        for layer in self.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
-            layer.prepack()
-        self._lm_head = linear.pack(self.lm_head)
+    def prepack(self, projections: bool = True) -> None:
+        """Call once the weights are loaded: faster projections, identical results. `projections`
+        False (native weights, their dense copies not loaded): the LM head is packed on first use,
+        the projections by `use_int4_projections`."""
+        if projections:
+            for layer in self.layers:
+                assert isinstance(layer, LlamaDecoderLayer)
+                layer.prepack()
+            self._lm_head = linear.pack(self.lm_head)
+        else:
+            self._lm_head = linear.on_first_call(lambda: linear.pack(self.lm_head))
+        self._dense_projections = projections
 
     def use_int4_projections(self, native: NativeWeights) -> None:
         """Multiply by 4-bit weights (`gguf_int4.load_projections`) in steps of few tokens.
@@ -280,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got 4-bit weights for {len(native.layers)} layers, the model has {len(self.layers)}")
         for layer, weights in zip(self.layers, native.layers):
             assert isinstance(layer, LlamaDecoderLayer)
-            layer.use_int4(weights)
+            layer.use_int4(weights, self._dense_projections)
         attention = {layer.attention for layer in self._decoder_layers()}
         if len(attention) == 1 and next(iter(attention)).sliding_window is None \
                 and next(iter(attention)).logit_softcap is None:
@@ -375,16 +397,18 @@ class LlamaForCausalLM(nn.Module):
         return logits if cap is None else gemma.soft_cap(logits, cap)
 
     @torch.no_grad()
-    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], projections: bool = True) -> None:
         """Copy weights named as in a transformers checkpoint, fusing q/k/v and gate/up (Phi-3's come fused).
 
         `state_dict` may be any mapping (e.g. lazily reading safetensors
         shards); each tensor is read once and copied into place, cast to this
         model's dtype. Missing, unexpected or mis-shaped tensors raise
         ValueError naming them. With tied embeddings a stored `lm_head.weight`
-        is ignored.
+        is ignored. `projections` False skips the layers' projections (native
+        weights bring their own; see `use_int4_projections`).
         """
         loader = _StateDictReader(state_dict)
+        project = loader.copy if projections else lambda _, name: loader.ignore(name)
         config = self.config
         loader.copy(self.embed_tokens, "model.embed_tokens.weight")
         loader.copy(self.norm, "model.norm.weight")
@@ -407,12 +431,12 @@ class LlamaForCausalLM(nn.Module):
                 loader.copy(layer.post_feedforward_norm, prefix + "post_feedforward_layernorm.weight")
             loader.ignore(prefix + "self_attn.rotary_emb.inv_freq")
             if fused:
-                loader.copy(layer.qkv_proj, prefix + "self_attn.qkv_proj.weight")
+                project(layer.qkv_proj, prefix + "self_attn.qkv_proj.weight")
             for name, (start, rows) in ({} if fused else qkv_slices).items():
-                loader.copy(layer.qkv_proj.narrow(0, start, rows), f"{prefix}self_attn.{name}.weight")
+                project(layer.qkv_proj.narrow(0, start, rows), f"{prefix}self_attn.{name}.weight")
                 if layer.qkv_bias is not None:
                     loader.copy(layer.qkv_bias.narrow(0, start, rows), f"{prefix}self_attn.{name}.bias")
-            loader.copy(layer.o_proj, prefix + "self_attn.o_proj.weight")
+            project(layer.o_proj, prefix + "self_attn.o_proj.weight")
             if layer.o_bias is not None:
                 loader.copy(layer.o_bias, prefix + "self_attn.o_proj.bias")
             if layer.q_norm is not None and layer.k_norm is not None:
@@ -420,11 +444,11 @@ class LlamaForCausalLM(nn.Module):
                 loader.copy(layer.k_norm, prefix + "self_attn.k_norm.weight")
             intermediate = config.intermediate_size
             if fused:
-                loader.copy(layer.gate_up_proj, prefix + "mlp.gate_up_proj.weight")
+                project(layer.gate_up_proj, prefix + "mlp.gate_up_proj.weight")
             else:
-                loader.copy(layer.gate_up_proj.narrow(0, 0, intermediate), prefix + "mlp.gate_proj.weight")
-                loader.copy(layer.gate_up_proj.narrow(0, intermediate, intermediate), prefix + "mlp.up_proj.weight")
-            loader.copy(layer.down_proj, prefix + "mlp.down_proj.weight")
+                project(layer.gate_up_proj.narrow(0, 0, intermediate), prefix + "mlp.gate_proj.weight")
+                project(layer.gate_up_proj.narrow(0, intermediate, intermediate), prefix + "mlp.up_proj.weight")
+            project(layer.down_proj, prefix + "mlp.down_proj.weight")
         loader.finish()
 
 

@@ -202,7 +202,8 @@ def load_model(
             )
         if resolved_device.type != "cpu":
             raise ValueError(f"weights='native' runs on the CPU (torch's 4-bit CPU kernel); device is {resolved_device}")
-    loaded = _load_folder(folder, name, resolved_device, resolved_dtype)
+    # native: the dense projections are built from the 4-bit codes only if a step needs them
+    loaded = _load_folder(folder, name, resolved_device, resolved_dtype, projections=weights != "native")
     if weights == "native":
         started = time.perf_counter()
         cached = (folder / CACHE_FILE).is_file()
@@ -226,7 +227,8 @@ def _native_is_faster(source: Path, folder: Path, device: torch.device, dtype: t
     return has_int4_projections(source)
 
 
-def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype,
+                 projections: bool = True) -> LoadedModel:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder")
     if not any((folder / file).is_file() for file in _TOKENIZER_FILES):
@@ -243,8 +245,8 @@ def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dty
     config, tokenizer, read_hf_config = _config_and_tokenizer(folder)
     weights = checkpoint_weights(folder)
     model = LlamaForCausalLM(config, device=device, dtype=dtype)
-    model.load_hf_state_dict(weights)
-    model.prepack()
+    model.load_hf_state_dict(weights, projections)
+    model.prepack(projections)
     logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=folder,
                        read_hf_config=read_hf_config)
