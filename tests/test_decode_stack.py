@@ -19,20 +19,19 @@ from radixrt.model.llama import INT4_MAX_ROWS, STACK_MAX_ROWS, LlamaForCausalLM,
 from radixrt.model.runner import ModelRunner
 from tests.conftest import randomize_weights
 from tests.test_model import ours_from
-from tests.test_native_weights import random_int4
+from tests.test_native_weights import random_int4, random_int8
 from tests.test_torch_backend import reference
 
 VOCAB = 256
 SHARED_MIN = 8  # shared_prefix_min_tokens of the backends here: small prefixes are shared too
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    if cpu.decode_stack() is None:
-        pytest.skip("no C compiler or no AVX512-BF16 on this CPU: layers run one at a time")
+def native_llama(vocab_size: int = VOCAB, quantized_head: bool = False) -> LlamaForCausalLM:
+    """A tiny bf16 Llama on random 4-bit projections (and, if asked, a random 8-bit LM head)."""
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
+        vocab_size=vocab_size, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     hf_model = transformers.LlamaForCausalLM(config)
     randomize_weights(hf_model, seed=0)
@@ -47,9 +46,17 @@ def model() -> LlamaForCausalLM:
     }
     layers = [{name: random_int4(*shape, seed=10 * i + j) for j, (name, shape) in enumerate(shapes.items())}
               for i in range(config.num_layers)]  # fmt: skip
-    ours.use_int4_projections(NativeWeights(layers, None))
+    head = random_int8(config.vocab_size, config.hidden_size, seed=99) if quantized_head else None
+    ours.use_int4_projections(NativeWeights(layers, head))
     assert ours._stack is not None, "a plain Llama on 4-bit weights runs as one stack"
     return ours
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    if cpu.decode_stack() is None:
+        pytest.skip("no C compiler or no AVX512-BF16 on this CPU: layers run one at a time")
+    return native_llama()
 
 
 def filled_runner(model: LlamaForCausalLM, num_slots: int, seed: int) -> ModelRunner:

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,46 +26,21 @@ from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
 from radixrt.kernels.segments import aligned_attention_segments
 from radixrt.memory import KVCache
-from radixrt.model.gguf_int4 import NativeWeights
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import LoadedModel
 from radixrt.model.runner import ModelRunner
 from radixrt.runtime import Runtime
-from tests.conftest import TINY_VOCAB, randomize_weights
-from tests.test_model import ours_from
-from tests.test_native_weights import random_int4, random_int8
+from tests.conftest import TINY_VOCAB
+from tests.test_decode_stack import native_llama
 
 CHUNK = 256  # kernels/cpu/decode_attention.c's CHUNK: prompts here cross it
-
-
-def native_tiny_llama() -> LlamaForCausalLM:
-    config = transformers.LlamaConfig(
-        vocab_size=TINY_VOCAB, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    hf_model = transformers.LlamaForCausalLM(config)
-    randomize_weights(hf_model, seed=0)
-    ours = ours_from(hf_model).to(torch.bfloat16)
-    ours.prepack()
-    c = ours.config
-    shapes = {
-        "qkv": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
-        "o": (c.hidden_size, c.num_heads * c.head_dim),
-        "gate_up": (2 * c.intermediate_size, c.hidden_size),
-        "down": (c.hidden_size, c.intermediate_size),
-    }
-    layers = [{name: random_int4(*shape, seed=10 * i + j) for j, (name, shape) in enumerate(shapes.items())}
-              for i in range(c.num_layers)]  # fmt: skip
-    ours.use_int4_projections(NativeWeights(layers, random_int8(c.vocab_size, c.hidden_size, seed=99)))
-    return ours
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     if cpu.decode_stack() is None:
         pytest.skip("no C compiler or no AVX512-BF16 on this CPU: deterministic mode needs radixrt's kernels")
-    return native_tiny_llama()
+    return native_llama(TINY_VOCAB, quantized_head=True)
 
 
 @pytest.fixture(scope="module")
