@@ -192,11 +192,13 @@ CONFIGURATIONS: list[tuple[str, dict[str, Any], str]] = [
 class Job:
     input_ids: list[int]
     params: dict[str, Any]
+    logprob_start_len: int | None  # the prompt's log-probabilities from there on
 
 
 @st.composite
 def jobs(draw: Any) -> list[Job]:
-    """Prompts sharing prefixes (a few-shot preamble, a fork), greedy or seeded samples, log-probs."""
+    """Prompts sharing prefixes (a few-shot preamble, a fork), greedy or seeded samples, log-probs of
+    the outputs and, for some, of the prompt."""
     rng = random.Random(draw(st.integers(0, 2**32)))
     result = []
     for _ in range(draw(st.integers(1, 2))):
@@ -206,13 +208,14 @@ def jobs(draw: Any) -> list[Job]:
             temperature = draw(st.sampled_from([0.0, 0.9]))
             params = {"max_new_tokens": draw(st.integers(1, 12)), "temperature": temperature, "ignore_eos": True,
                       "return_logprob": True, "seed": rng.randrange(2**31), "n": draw(st.sampled_from([1, 1, 2]))}
-            result.append(Job(shared + own, params))
+            logprob_start = draw(st.sampled_from([None, None, 0, len(shared)]))
+            result.append(Job(shared + own, params, logprob_start))
     return result
 
 
 def outputs(loaded: LoadedModel, jobs: list[Job], options: dict[str, Any], submit: str,
-            deterministic: bool = True) -> list[tuple[list[int], list]]:
-    """(output ids, output log-probs) of every sample, in job order."""
+            deterministic: bool = True) -> list[tuple[list[int], list, list | None]]:
+    """(output ids, output log-probs, prompt log-probs) of every sample, in job order."""
     order = list(range(len(jobs)))
     if submit == "shuffled":
         random.Random(1).shuffle(order)
@@ -221,18 +224,21 @@ def outputs(loaded: LoadedModel, jobs: list[Job], options: dict[str, Any], submi
                  **{"max_total_tokens": 4096, **options}) as runtime:  # fmt: skip
 
         async def submit_all() -> list[Any]:
-            return await asyncio.gather(*(runtime.async_generate(input_ids=jobs[i].input_ids,
-                                                                 sampling_params=jobs[i].params) for i in order))
+            return await asyncio.gather(*(
+                runtime.async_generate(input_ids=jobs[i].input_ids, sampling_params=jobs[i].params,
+                                       logprob_start_len=jobs[i].logprob_start_len)
+                for i in order
+            ))  # fmt: skip
 
         for _ in range(2 if submit == "twice" else 1):
             if submit == "one by one":
-                answers = [runtime.generate(input_ids=jobs[i].input_ids, sampling_params=jobs[i].params)
-                           for i in order]  # fmt: skip
+                answers = [runtime.generate(input_ids=jobs[i].input_ids, sampling_params=jobs[i].params,
+                                            logprob_start_len=jobs[i].logprob_start_len) for i in order]
             else:
                 answers = asyncio.run(submit_all())
             results = {i: answer if isinstance(answer, list) else [answer] for i, answer in zip(order, answers)}
-    return [(out["output_ids"], out["meta_info"]["output_token_logprobs"]) for i in range(len(jobs))
-            for out in results[i]]
+    return [(out["output_ids"], out["meta_info"]["output_token_logprobs"], out["meta_info"].get("input_token_logprobs"))
+            for i in range(len(jobs)) for out in results[i]]
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

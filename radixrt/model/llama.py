@@ -159,7 +159,8 @@ class LlamaDecoderLayer(nn.Module):
                                  f"model expects {tuple(dense.shape)}")
         if not dense_loaded:
             for name, (dense, bias) in projections.items():
-                setattr(self, name, linear.on_first_call(functools.partial(_dense_from_codes, weights[name], dense, bias)))
+                build = functools.partial(_dense_from_codes, weights[name], dense, bias)
+                setattr(self, name, linear.on_first_call(build))
         config = self.config
         plain_llama = (self.q_norm is None and self.qkv_bias is None and self.o_bias is None
                        and self.pre_feedforward_norm is None and self.activation is F.silu
@@ -345,7 +346,9 @@ class LlamaForCausalLM(nn.Module):
             return "deterministic steps need the GGUF file's LM head stored as Q4_0, Q4_1 or Q8_0"
         return None
 
-    def plan_attention(self, batch: ForwardBatch, backend: AttentionBackend[Any], deterministic: bool = False) -> StepPlan:
+    def plan_attention(
+        self, batch: ForwardBatch, backend: AttentionBackend[Any], deterministic: bool = False
+    ) -> StepPlan:
         """`backend`'s plans of this batch, one per distinct `LayerAttention` of the layers; or,
         for a step the whole-stack kernel takes (every deterministic step: check
         `deterministic_problem` first), its `StackedStep`."""
