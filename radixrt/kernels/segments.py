@@ -123,9 +123,8 @@ def aligned_attention_segments(batch: ForwardBatch, shared_prefix_min_tokens: in
     row_ptr = [0]
     for _, segment_rows in ordered:
         row_ptr.append(row_ptr[-1] + len(segment_rows))
-    return AttentionSegments(
-        starts=torch.tensor([start for (_, start, _), _ in ordered], dtype=torch.int64),
-        lens=torch.tensor([length for (_, _, length), _ in ordered], dtype=torch.int64),
-        row_ptr=torch.tensor(row_ptr, dtype=torch.int64),
-        rows=torch.tensor([row for _, segment_rows in ordered for row in segment_rows], dtype=torch.int64),
-    )
+    count = len(ordered)
+    flat = torch.tensor([start for (_, start, _), _ in ordered] + [length for (_, _, length), _ in ordered]
+                        + row_ptr + [row for _, segment_rows in ordered for row in segment_rows], dtype=torch.int64)
+    starts, lens, row_ptr_tensor, rows = flat.split([count, count, count + 1, row_ptr[-1]])
+    return AttentionSegments(starts=starts, lens=lens, row_ptr=row_ptr_tensor, rows=rows)

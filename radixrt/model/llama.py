@@ -327,6 +327,16 @@ class LlamaForCausalLM(nn.Module):
     def _decoder_layers(self) -> list[LlamaDecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
 
+    @functools.cached_property
+    def _attention_kinds(self) -> tuple[LayerAttention, ...]:
+        """The distinct `LayerAttention`s of the layers, in layer order (set at construction; asked
+        for every step, where comparing 30 dataclasses cost ~20 us)."""
+        return tuple(dict.fromkeys(layer.attention for layer in self._decoder_layers()))
+
+    @functools.cached_property
+    def _distinct_ropes(self) -> tuple[RotaryEmbedding, ...]:
+        return tuple(dict.fromkeys(self._layer_ropes))
+
     def deterministic_problem(self, backend: AttentionBackend[Any]) -> str | None:
         """Why steps of this model through `backend` cannot be batch-invariant, or None if they can.
 
@@ -354,10 +364,10 @@ class LlamaForCausalLM(nn.Module):
         `deterministic_problem` first), its `StackedStep`."""
         if deterministic:
             assert self._stack is not None and isinstance(backend, TorchAttentionBackend)
-            (attention,) = dict.fromkeys(layer.attention for layer in self._decoder_layers())
+            (attention,) = self._attention_kinds
             segments = aligned_attention_segments(batch, backend.shared_prefix_min_tokens, self._stack.attention_chunk)
             return StackedStep(segments, backend.softmax_scale(attention))
-        kinds = dict.fromkeys(layer.attention for layer in self._decoder_layers())
+        kinds = self._attention_kinds
         stacked = (self._stack is not None and batch.num_tokens <= STACK_MAX_ROWS
                    and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place)
         if stacked:
@@ -375,15 +385,15 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
-        # each distinct rope's tables once a step (Gemma 3: one for full layers, one for sliding ones)
-        tables = {rope: rope.cos_sin(batch.positions, self.dtype) for rope in dict.fromkeys(self._layer_ropes)}
         if isinstance(plans, StackedStep):
             assert self._stack is not None
-            cos, signed_sin = tables[self.rope]
+            cos, signed_sin = self.rope.cos_sin(batch.positions, self.dtype)
             num_tokens = batch.num_tokens
             hidden = self._stack.forward(hidden, cos.view(num_tokens, -1), signed_sin.view(num_tokens, -1), batch,
                                          backend.kv_cache, plans.segments, plans.scale)
         else:
+            # each distinct rope's tables once a step (Gemma 3: one for full layers, one for sliding ones)
+            tables = {rope: rope.cos_sin(batch.positions, self.dtype) for rope in self._distinct_ropes}
             for layer, rope in zip(self._decoder_layers(), self._layer_ropes):
                 cos, signed_sin = tables[rope]
                 hidden = layer.forward(hidden, cos, signed_sin, rope, batch, backend, plans[layer.attention])
