@@ -261,3 +261,13 @@ def test_deterministic_refuses_what_its_kernels_cannot_serve(tiny_llama_dir):
 def test_auto_is_deterministic_where_the_kernels_serve_the_model(loaded):
     with Runtime(loaded, max_total_tokens=512) as runtime:
         assert runtime.deterministic is True
+
+
+def test_a_backend_that_cannot_honour_it_is_refused_by_name(model):
+    config = model.config
+    cache = KVCache(config.kv_shape(torch.bfloat16), 64)
+    triton_backend = pytest.importorskip("radixrt.kernels.triton_backend")  # the class only: no GPU runs here
+    backend = triton_backend.TritonAttentionBackend(cache, config.num_heads, config.num_kv_heads, config.head_dim)
+    with pytest.raises(ValueError, match="deterministic=True: the triton attention backend is not batch-invariant"):
+        ModelRunner(model, cache, backend, deterministic=True)
+    ModelRunner(model, cache, backend)  # without it, the backend is fine

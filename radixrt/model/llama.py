@@ -345,13 +345,14 @@ class LlamaForCausalLM(nn.Module):
         a Llama without extras, the file's own quantized LM head, the torch backend reading
         the pool in place (the CPU).
         """
-        if not (isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place):
+        if not isinstance(backend, TorchAttentionBackend):
             return (f"the {backend.name} attention backend is not batch-invariant; deterministic steps run "
                     "on the CPU (attention_backend='torch' or 'auto')")
-        if self._stack is None:
+        if self._stack is None or not backend.reads_pool_in_place:
             return ("deterministic steps need the whole-step C kernel: a plain Llama-family GGUF model with "
                     "Q4_0/Q4_1 projections, weights='native', dtype=bfloat16, a CPU with AVX512-BF16 and a C "
-                    f"compiler (this model: {self.config.architecture}, {str(self.dtype).removeprefix('torch.')})")
+                    f"compiler (this model: {self.config.architecture}, {str(self.dtype).removeprefix('torch.')}, "
+                    f"{'native' if self._stack is not None else 'dense or unsupported'} weights)")
         if self._exact_lm_head is None:
             return "deterministic steps need the GGUF file's LM head stored as Q4_0, Q4_1 or Q8_0"
         return None
