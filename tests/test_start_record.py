@@ -15,6 +15,7 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from radixrt.engine.detokenizer import StreamDetokenizer, make_detokenizer
 from radixrt.model.config import ModelConfig
+from radixrt.model import start_record
 from radixrt.model.start_record import read_record, record_path, write_record
 from radixrt.model.tokenizer import Tokenizer, TokenizerRecord
 from radixrt.paths import CACHE_ENV_VAR
@@ -131,6 +132,21 @@ def test_record_follows_the_folder_files(tiny_llama_dir, tmp_path, monkeypatch):
     record_path(folder).parent.mkdir(parents=True, exist_ok=True)
     record_path(folder).write_text("{not json")
     assert read_record(folder) is None
+
+
+def test_only_the_most_recently_used_records_are_kept(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "cache"))
+    monkeypatch.setattr(start_record, "MAX_RECORDS", 3)
+    folders = []
+    for i in range(5):
+        folders.append(tmp_path / f"model-{i}")
+        shutil.copytree(tiny_llama_dir, folders[-1])
+        _record(folders[-1])
+        os.utime(record_path(folders[-1]), (1000.0 + i, 1000.0 + i))  # written in order, a second apart
+        if i == 2:
+            assert read_record(folders[0]) is not None  # a read makes model-0 the most recently used
+    kept = {path.name for path in record_path(folders[0]).parent.glob("*.json")}
+    assert kept == {record_path(folders[i]).name for i in (0, 3, 4)}
 
 
 def test_tokenizer_whose_class_changes_decoding_is_not_recorded(tiny_llama_dir):

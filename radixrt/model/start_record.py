@@ -12,7 +12,10 @@ and records what it read; later loads build `ModelConfig` and the
 `<key>` hashes the record format, the installed transformers version,
 `radixrt/model/config.py` (the code that reads a config) and every file of
 the folder except weights, name and bytes: a change to any of them makes a
-new record, read through transformers once. A record is written only where
+new record, read through transformers once. The folder keeps the
+`MAX_RECORDS` most recently used records (a read refreshes a record's time):
+without a bound, every temporary model folder a test suite makes, and every
+transformers upgrade, would leave records behind for good. A record is written only where
 it reproduces transformers: `ModelConfig.from_hf` over the recorded config
 must equal it over the transformers config, and `TokenizerRecord.of` must
 accept the tokenizer (else every start uses transformers, as before).
@@ -20,6 +23,7 @@ accept the tokenizer (else every start uses transformers, as before).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -39,6 +43,7 @@ from radixrt.paths import cache_root
 logger = logging.getLogger(__name__)
 
 _FORMAT = 1
+MAX_RECORDS = 64
 # Weights do not change what transformers reads from a folder's config and tokenizer files.
 _WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".onnx"})
 
@@ -73,7 +78,10 @@ def read_record(folder: Path) -> StartRecord | None:
         data = json.loads(path.read_text())
         if data.get("format") != _FORMAT:
             return None
-        return StartRecord(data["config"], TokenizerRecord.from_json(data["tokenizer"]))
+        record = StartRecord(data["config"], TokenizerRecord.from_json(data["tokenizer"]))
+        with contextlib.suppress(OSError):  # a read-only cache still serves its records
+            os.utime(path)  # used now: pruned last
+        return record
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -102,11 +110,19 @@ def write_record(folder: Path, hf_config: Any, model_config: ModelConfig, hf_tok
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps({"format": _FORMAT, "config": record.config, "tokenizer": tokenizer.to_json()}))
         os.replace(tmp, path)  # readers see the whole record or none
+        _prune(path.parent)
     except OSError as error:
         logger.warning("could not write %s (%s); later starts read %s through transformers again", path, error,
                        folder.name)
         tmp.unlink(missing_ok=True)
     return record
+
+
+def _prune(records: Path) -> None:
+    """Delete all but the `MAX_RECORDS` most recently used records (a concurrent pruner may get there first)."""
+    by_age = sorted(records.glob("*.json"), key=lambda p: p.stat().st_mtime if p.exists() else 0.0, reverse=True)
+    for stale in by_age[MAX_RECORDS:]:
+        stale.unlink(missing_ok=True)
 
 
 def _transformers_version() -> str:
