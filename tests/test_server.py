@@ -162,6 +162,7 @@ def test_models_info_health_flush_abort(app, runtime):
     assert info["model_path"] == runtime.model_name and info["is_generation"] is True
     server = call(app, "GET", "/get_server_info").json()
     assert server["runtime_config"]["max_total_tokens"] == 4096 and "hit_rate" in server["cache_stats"]
+    assert server["deterministic"] is False  # the tiny float32 model: "auto" is off
     assert call(app, "POST", "/abort_request", {"rid": "nobody"}).json() == {"rid": "nobody"}
     assert call(app, "POST", "/flush_cache").status_code == 200
     assert runtime.cache_stats()["tree_tokens"] == 0

@@ -57,6 +57,7 @@ class ReplicaFleet:
         self._interval = event_interval_s
         self._instances: dict[str, str] = {}
         self.model_name: str = description["model_name"]
+        self.deterministic: bool = description["deterministic"]  # every replica runs the same model and options
         replica_config: RuntimeConfig = description["config"]
         # The app sizes its admission queue from max_running_requests: the fleet runs that many per replica.
         self.config = replace(replica_config, max_running_requests=replica_config.max_running_requests * len(handles))

@@ -33,6 +33,7 @@ class RuntimeReplica:
             "pid": os.getpid(),
             "model_name": self.runtime.model_name,
             "config": self.runtime.config,
+            "deterministic": self.runtime.deterministic,
             "limits": self.runtime.inputs.limits,
             "eos_token_ids": sorted(self.runtime.inputs.eos_token_ids),
             # A recorded tokenizer travels as plain data; any other as the (picklable) transformers object.

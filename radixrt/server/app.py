@@ -339,6 +339,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             "model_path": runtime.model_name,
             "served_model_name": state.model_name,
             "runtime_config": runtime.config.as_dict(),
+            "deterministic": runtime.deterministic,  # what deterministic="auto" chose
             "cache_isolation": settings.cache_isolation,
             "max_queued_requests": settings.max_queued_requests,
             "api_key_required": bool(settings.api_keys),
