@@ -6,7 +6,8 @@ or a named shape from SHAPES with random weights) on this machine, per dtype:
             with logits_to_keep=1, as generate() does; radixrt: one ForwardBatch)
   decode    one step for --batch-sizes sequences of --context tokens each: ms/step
             (transformers: one step with its DynamicCache, cropped back after each run;
-            radixrt: one decode batch over the paged pool, torch attention backend)
+            radixrt: one decode batch over the paged pool, torch attention backend,
+            deterministic where the runtime's default makes it so)
   floor     the machine's read bandwidth (a 1 GiB float32 sum on all threads) and, per
             weights mode, the bytes a batch-1 decode step must read (every projection and
             the LM head once) divided by it: no step can be faster
@@ -109,10 +110,12 @@ def paired_times(
 
 
 def make_runner(loaded: LoadedModel, num_slots: int) -> ModelRunner:
+    """A runner as `Runtime` makes one: deterministic where radixrt's kernels serve the model."""
     config = loaded.config
     kv_cache = KVCache(config.kv_shape(loaded.model.dtype), num_slots)
     backend = create_backend("torch", kv_cache, config.num_heads, config.num_kv_heads, config.head_dim)
-    return ModelRunner(loaded.model, kv_cache, backend)
+    deterministic = loaded.model.deterministic_problem(backend) is None
+    return ModelRunner(loaded.model, kv_cache, backend, deterministic=deterministic)
 
 
 def bench_prefill(
