@@ -114,8 +114,7 @@ def make_runner(loaded: LoadedModel, num_slots: int) -> ModelRunner:
     config = loaded.config
     kv_cache = KVCache(config.kv_shape(loaded.model.dtype), num_slots)
     backend = create_backend("torch", kv_cache, config.num_heads, config.num_kv_heads, config.head_dim)
-    deterministic = loaded.model.deterministic_problem(backend) is None
-    return ModelRunner(loaded.model, kv_cache, backend, deterministic=deterministic)
+    return ModelRunner(loaded.model, kv_cache, backend, deterministic="auto")
 
 
 def bench_prefill(

@@ -77,15 +77,7 @@ def attention_segments(batch: ForwardBatch, shared_prefix_min_tokens: int) -> At
         add(kv_starts[i] + own, prefix_len - own, new_rows(i))
         for j, row in enumerate(new_rows(i)):
             add(kv_starts[i] + prefix_len, j + 1, [row])
-    row_ptr = [0]
-    for segment_rows in rows:
-        row_ptr.append(row_ptr[-1] + len(segment_rows))
-    return AttentionSegments(
-        starts=torch.tensor(starts, dtype=torch.int64),
-        lens=torch.tensor(lens, dtype=torch.int64),
-        row_ptr=torch.tensor(row_ptr, dtype=torch.int64),
-        rows=torch.tensor([row for segment_rows in rows for row in segment_rows], dtype=torch.int64),
-    )
+    return _as_tensors(starts, lens, rows)
 
 
 def aligned_attention_segments(batch: ForwardBatch, shared_prefix_min_tokens: int, chunk: int) -> AttentionSegments:
@@ -120,11 +112,17 @@ def aligned_attention_segments(batch: ForwardBatch, shared_prefix_min_tokens: in
                 k = keys // chunk
                 segments.setdefault((k, kv_starts[i] + k * chunk, keys % chunk), []).append(q_starts[i] + j)
     ordered = sorted(segments.items(), key=lambda item: item[0][0])  # stable: key order within every row
+    return _as_tensors([start for (_, start, _), _ in ordered], [length for (_, _, length), _ in ordered],
+                       [segment_rows for _, segment_rows in ordered])
+
+
+def _as_tensors(starts: list[int], lens: list[int], rows: list[list[int]]) -> AttentionSegments:
+    """Segments from Python lists, as views of one int64 tensor (one allocation a step, not four)."""
     row_ptr = [0]
-    for _, segment_rows in ordered:
+    for segment_rows in rows:
         row_ptr.append(row_ptr[-1] + len(segment_rows))
-    count = len(ordered)
-    flat = torch.tensor([start for (_, start, _), _ in ordered] + [length for (_, _, length), _ in ordered]
-                        + row_ptr + [row for _, segment_rows in ordered for row in segment_rows], dtype=torch.int64)
-    starts, lens, row_ptr_tensor, rows = flat.split([count, count, count + 1, row_ptr[-1]])
-    return AttentionSegments(starts=starts, lens=lens, row_ptr=row_ptr_tensor, rows=rows)
+    flat = torch.tensor(starts + lens + row_ptr + [row for segment_rows in rows for row in segment_rows],
+                        dtype=torch.int64)
+    count = len(starts)
+    starts_t, lens_t, row_ptr_t, rows_t = flat.split([count, count, count + 1, row_ptr[-1]])
+    return AttentionSegments(starts=starts_t, lens=lens_t, row_ptr=row_ptr_t, rows=rows_t)

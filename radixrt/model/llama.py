@@ -276,7 +276,6 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head = linear.plain(self.lm_head)
         self._stack: Int4DecodeStack | None = None  # set by use_int4_projections where it applies
         self._exact_lm_head: linear.Linear | None = None  # the file's quantized head, for every row count
-        self._dense_projections = True  # False: not loaded (native weights); built from the codes when needed
 
     def prepack(self, projections: bool = True) -> None:
         """Call once the weights are loaded: faster projections, identical results. `projections`
@@ -289,13 +288,14 @@ class LlamaForCausalLM(nn.Module):
             self._lm_head = linear.pack(self.lm_head)
         else:
             self._lm_head = linear.on_first_call(lambda: linear.pack(self.lm_head))
-        self._dense_projections = projections
 
-    def use_int4_projections(self, native: NativeWeights) -> None:
+    def use_int4_projections(self, native: NativeWeights, dense_loaded: bool = True) -> None:
         """Multiply by 4-bit weights (`gguf_int4.load_projections`) in steps of few tokens.
 
         Call after `prepack`: the dense projections stay for steps of more
-        than `INT4_MAX_ROWS` tokens (the embedding and norms are dense anyway).
+        than `INT4_MAX_ROWS` tokens (the embedding and norms are dense anyway);
+        `dense_loaded` False (they were not read: `prepack(projections=False)`)
+        builds them from the codes the first time a step needs them.
         The LM head goes native too when the file stores it as Q4_0, Q4_1 or
         Q8_0; its dense copy stays for the embedding lookup.
         """
@@ -303,10 +303,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got 4-bit weights for {len(native.layers)} layers, the model has {len(self.layers)}")
         for layer, weights in zip(self.layers, native.layers):
             assert isinstance(layer, LlamaDecoderLayer)
-            layer.use_int4(weights, self._dense_projections)
-        attention = {layer.attention for layer in self._decoder_layers()}
-        if len(attention) == 1 and next(iter(attention)).sliding_window is None \
-                and next(iter(attention)).logit_softcap is None:
+            layer.use_int4(weights, dense_loaded)
+        attention = self._attention_kinds
+        if len(attention) == 1 and attention[0].sliding_window is None and attention[0].logit_softcap is None:
             steps = [layer.int4_steps for layer in self._decoder_layers()]
             self._stack = Int4DecodeStack.create(steps, self.config.intermediate_size)
         head = native.lm_head
@@ -363,19 +362,16 @@ class LlamaForCausalLM(nn.Module):
         """`backend`'s plans of this batch, one per distinct `LayerAttention` of the layers; or,
         for a step the whole-stack kernel takes (every deterministic step: check
         `deterministic_problem` first), its `StackedStep`."""
-        if deterministic:
+        stacked = deterministic or (self._stack is not None and batch.num_tokens <= STACK_MAX_ROWS
+                                    and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place)
+        if stacked:
             assert self._stack is not None and isinstance(backend, TorchAttentionBackend)
             (attention,) = self._attention_kinds
-            segments = aligned_attention_segments(batch, backend.shared_prefix_min_tokens, self._stack.attention_chunk)
+            min_shared = backend.shared_prefix_min_tokens
+            segments = (aligned_attention_segments(batch, min_shared, self._stack.attention_chunk) if deterministic
+                        else attention_segments(batch, min_shared))
             return StackedStep(segments, backend.softmax_scale(attention))
-        kinds = self._attention_kinds
-        stacked = (self._stack is not None and batch.num_tokens <= STACK_MAX_ROWS
-                   and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place)
-        if stacked:
-            (attention,) = kinds
-            segments = attention_segments(batch, backend.shared_prefix_min_tokens)
-            return StackedStep(segments, backend.softmax_scale(attention))
-        return {kind: backend.plan(batch, kind) for kind in kinds}
+        return {kind: backend.plan(batch, kind) for kind in self._attention_kinds}
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend[Any], plans: StepPlan) -> torch.Tensor:
         """Hidden states after the final norm, [batch.num_tokens, hidden_size].

@@ -203,7 +203,8 @@ def load_model(
         if resolved_device.type != "cpu":
             raise ValueError(f"weights='native' runs on the CPU (torch's 4-bit CPU kernel); device is {resolved_device}")
     # native: the dense projections are built from the 4-bit codes only if a step needs them
-    loaded = _load_folder(folder, name, resolved_device, resolved_dtype, projections=weights != "native")
+    dense_projections = weights != "native"
+    loaded = _load_folder(folder, name, resolved_device, resolved_dtype, dense_projections)
     if weights == "native":
         started = time.perf_counter()
         cached = (folder / CACHE_FILE).is_file()
@@ -212,7 +213,7 @@ def load_model(
             "from the cache, about a second" if cached
             else "parsing the GGUF file once, roughly 10-20 s; later starts read a cache",
         )
-        loaded.model.use_int4_projections(load_projections(source, folder, loaded.config))
+        loaded.model.use_int4_projections(load_projections(source, folder, loaded.config), dense_projections)
         loaded = dataclasses.replace(loaded, weights="native")
         logger.info("4-bit projections ready in %.1f s", time.perf_counter() - started)
     return loaded

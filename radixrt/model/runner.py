@@ -50,8 +50,9 @@ class ModelRunner:
     `batch.out_slots`; which slots those are, and who owns them afterwards,
     is the caller's business (the scheduler allocates them from the PagePool).
     `threads` (CPU only) sets torch's thread count for each step, restoring it
-    afterwards; None leaves it alone. `deterministic`: every step batch-invariant
-    (`LlamaForCausalLM.deterministic_problem` says why it cannot be: ValueError).
+    afterwards; None leaves it alone. `deterministic`: True makes every step
+    batch-invariant (`LlamaForCausalLM.deterministic_problem` says why it cannot
+    be: ValueError); "auto" where it can be, else not; `self.deterministic` says which.
     """
 
     def __init__(
@@ -60,7 +61,7 @@ class ModelRunner:
         kv_cache: KVCache,
         backend: AttentionBackend[Any],
         threads: StepThreads | None = None,
-        deterministic: bool = False,
+        deterministic: bool | str = False,
     ):
         config = model.config
         expected = (config.num_layers, config.num_kv_heads, config.head_dim)
@@ -76,9 +77,10 @@ class ModelRunner:
             raise ValueError(f"kv_cache is on {kv_cache.device}, the model on {model.device}")
         if backend.kv_cache is not kv_cache:
             raise ValueError("backend must be built over the same kv_cache")
-        if deterministic and (problem := model.deterministic_problem(backend)) is not None:
+        problem = model.deterministic_problem(backend) if deterministic else None
+        if deterministic is True and problem is not None:
             raise ValueError(f"deterministic=True: {problem}")
-        self.deterministic = deterministic
+        self.deterministic = bool(deterministic) and problem is None
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend

@@ -81,10 +81,7 @@ def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
         shared_prefix_min_tokens=config.shared_prefix_min_tokens,
     )
     threads = StepThreads(config.small_step_threads, config.small_step_tokens)
-    deterministic = config.deterministic
-    if deterministic == "auto":
-        deterministic = loaded.model.deterministic_problem(backend) is None
-    runner = ModelRunner(loaded.model, kv_cache, backend, threads, deterministic=bool(deterministic))
+    runner = ModelRunner(loaded.model, kv_cache, backend, threads, deterministic=config.deterministic)
     pool = PagePool(num_pages, config.page_size)
     cache: CacheManager = NoPrefixCache(pool) if config.disable_radix_cache else RadixCacheManager(pool)
     limits = RequestLimits(
