@@ -39,7 +39,7 @@ node's id, its parent's id, its tokens, the first `HEAD_TOKENS` of its key, the
 tree's clock then). A plain tuple of small values: `RadixTree.evict` makes one per
 evicted node on its hot path, and holding the node itself kept its key and slots
 (240 KB each for a 30k-token edge) alive until 16 more evictions had passed, which
-made the long-context trace of bench/tree_bench.py ~15% slower."""
+made the long-context trace of bench/tree_bench.py 15-19% slower."""
 
 
 @dataclass(frozen=True)
