@@ -27,6 +27,10 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
     decode_stack.c      all layers of such a model for a step of a few tokens
                         in one call: threads forked once a step, not once an
                         op, and no Python between the layers.
+    rowwise_matmul.c    a dense matmul whose every output is reduced in one
+                        fixed order whatever the batch: library GEMMs change
+                        a row's rounding with the number of rows (deterministic
+                        mode, AVX512-BF16 CPUs).
 
 The sources are compiled together with `-march=native` for this machine,
 cached under `cache_root()/kernels`, and loaded with ctypes (no torch
@@ -271,6 +275,47 @@ class QuantizedMatmul:
         return result
 
 
+class RowwiseMatmul:
+    """`rowwise_matmul.c`: `x @ w.T (+ bias)` for a dense bf16 or float32 weight, each output
+    rounded the same whatever else is in the batch."""
+
+    def __init__(self, library: ctypes.CDLL):
+        pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._bf16 = library.radixrt_rowwise_matmul_bf16
+        self._bf16.argtypes = [pointer, i64, i64, i64, pointer, i64, pointer, pointer, i32, i32]
+        self._bf16.restype = None
+        self._f32 = library.radixrt_rowwise_matmul_f32
+        self._f32.argtypes = [pointer, i64, i64, i64, pointer, i64, pointer, pointer, i32]
+        self._f32.restype = None
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in (torch.bfloat16, torch.float32)
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False
+    ) -> torch.Tensor:
+        """[M, N]: rows `x` [M, K] (unit stride along K) times `weight` [N, K] (contiguous) and
+        `bias` [N], all of one dtype; in that dtype, or float32 with `float_out`."""
+        rows, num_cols = x.shape
+        num_out = weight.shape[0]
+        if weight.shape[1] != num_cols or x.dtype != weight.dtype or not self.supports(weight.dtype):
+            raise ValueError(f"rowwise matmul: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                             f"{weight.dtype}: need [M, K] and [N, K] of one dtype, bfloat16 or float32")
+        if x.stride(1) != 1 or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+            raise ValueError("rowwise matmul: x needs unit stride along K, weight and bias contiguous")
+        bias_ptr = 0 if bias is None else bias.data_ptr()
+        if weight.dtype == torch.float32:
+            out = torch.empty(rows, num_out, dtype=torch.float32)
+            self._f32(x.data_ptr(), x.stride(0), rows, num_cols, weight.data_ptr(), num_out, bias_ptr,
+                      out.data_ptr(), _threads())
+            return out
+        out = torch.empty(rows, num_out, dtype=torch.float32 if float_out else torch.bfloat16)
+        self._bf16(x.data_ptr(), x.stride(0), rows, num_cols, weight.data_ptr(), num_out, bias_ptr, out.data_ptr(),
+                   int(float_out), _threads())
+        return out
+
+
 class Int4Layer:
     """`int4_layer.c`: a Llama layer's work before and after attention on `pack_int4`ed weights."""
 
@@ -456,6 +501,12 @@ def quantized_matmul() -> QuantizedMatmul | None:
     """The compiled 4/8-bit matmul; None where it cannot be built or the CPU lacks AVX512-BF16."""
     library = _load()
     return None if library is None or not library.radixrt_quantized_matmul_available() else QuantizedMatmul(library)
+
+
+def rowwise_matmul() -> RowwiseMatmul | None:
+    """The compiled batch-invariant dense matmul; None where it cannot be built or the CPU lacks AVX512-BF16."""
+    library = _load()
+    return None if library is None or not library.radixrt_rowwise_matmul_available() else RowwiseMatmul(library)
 
 
 def int4_layer() -> Int4Layer | None:

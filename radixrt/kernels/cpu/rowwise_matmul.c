@@ -1,0 +1,164 @@
+/*
+ * out = x @ w.T (+ bias) for a dense weight w [N, K] as the model stores it
+ * (row-major, bf16 or float32), with every output reduced over K in one fixed
+ * order whatever the number of rows M, the blocking, where x's rows sit in
+ * memory or the thread count: deterministic mode's projections and LM head
+ * for dense weights (docs/determinism.md).
+ *
+ * The library GEMMs do not promise that, and on the project's machine do not
+ * deliver it: MKL's float32 result for a row depends on M (M = 1, 2-3 and >= 4
+ * differ; on two threads also M mod 4 below 12), and oneDNN's unpacked bf16
+ * matmul's on M and on the offset of x's rows, for some weight shapes.
+ *
+ * Each output is a dot product: 16 float32 lane sums over K, in steps of 32
+ * inputs (bf16: AVX512-BF16 pair products, exact in float32 before the add)
+ * or 16 (float32: FMA), a masked last step, one fixed reduction of the lanes,
+ * then the bias. A tile of 4 rows by 4 weight rows keeps 16 sums in
+ * registers, and the tails run the same per-output instructions on fewer
+ * rows or columns. Threads take blocks of weight rows (a block stays in the
+ * cache while every row of x passes over it); no output is split between
+ * threads.
+ */
+#include <stdint.h>
+
+#include "scalar.h"
+
+#define TILE_M 4
+#define TILE_N 4
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <omp.h>
+
+int radixrt_rowwise_matmul_available(void) { return 1; }
+
+typedef struct {
+    const void *x;
+    int64_t x_stride, m, k;
+    const void *w;
+    int64_t n;
+    const void *bias; /* [N] in w's dtype, or NULL */
+    void *out;        /* [M, N], contiguous */
+    int out_f32;      /* 1: float32 out; 0: w's dtype */
+} Matmul;
+
+static inline void store(const Matmul *a, int bf16, int64_t row, int64_t col, float value) {
+    if (a->bias) value += bf16 ? bf16_to_float(((const uint16_t *)a->bias)[col]) : ((const float *)a->bias)[col];
+    if (a->out_f32) ((float *)a->out)[row * a->n + col] = value;
+    else if (bf16) ((uint16_t *)a->out)[row * a->n + col] = float_to_bf16(value);
+    else ((float *)a->out)[row * a->n + col] = value;
+}
+
+/* Outputs [m0, m0 + mr) x [n0, n0 + nr): inlined with literal mr, nr for whole tiles. */
+static inline __attribute__((always_inline)) void tile_bf16(const Matmul *a, int64_t m0, int64_t n0, int mr, int nr) {
+    const uint16_t *x = (const uint16_t *)a->x + m0 * a->x_stride;
+    const uint16_t *w = (const uint16_t *)a->w + n0 * a->k;
+    const int64_t k = a->k, whole = k - k % 32;
+    __m512 acc[TILE_M][TILE_N];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < whole; kk += 32) {
+        __m512bh wv[TILE_N];
+        for (int j = 0; j < nr; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * k + kk);
+        for (int i = 0; i < mr; i++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * a->x_stride + kk);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    if (whole < k) {
+        __mmask32 mask = (__mmask32)((1ull << (k - whole)) - 1);
+        __m512bh wv[TILE_N];
+        for (int j = 0; j < nr; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * k + whole);
+        for (int i = 0; i < mr; i++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * a->x_stride + whole);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) store(a, 1, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+static inline __attribute__((always_inline)) void tile_f32(const Matmul *a, int64_t m0, int64_t n0, int mr, int nr) {
+    const float *x = (const float *)a->x + m0 * a->x_stride;
+    const float *w = (const float *)a->w + n0 * a->k;
+    const int64_t k = a->k, whole = k - k % 16;
+    __m512 acc[TILE_M][TILE_N];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < whole; kk += 16) {
+        __m512 wv[TILE_N];
+        for (int j = 0; j < nr; j++) wv[j] = _mm512_loadu_ps(w + j * k + kk);
+        for (int i = 0; i < mr; i++) {
+            __m512 xv = _mm512_loadu_ps(x + i * a->x_stride + kk);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (whole < k) {
+        __mmask16 mask = (__mmask16)((1u << (k - whole)) - 1);
+        __m512 wv[TILE_N];
+        for (int j = 0; j < nr; j++) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * k + whole);
+        for (int i = 0; i < mr; i++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * a->x_stride + whole);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) store(a, 0, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+static void block(const Matmul *a, int bf16, int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < a->m; m0 += TILE_M) {
+        int mr = a->m - m0 < TILE_M ? (int)(a->m - m0) : TILE_M;
+        for (int64_t c = n0; c < n1; c += TILE_N) {
+            int nr = n1 - c < TILE_N ? (int)(n1 - c) : TILE_N;
+            if (mr == TILE_M && nr == TILE_N) {
+                if (bf16) tile_bf16(a, m0, c, TILE_M, TILE_N);
+                else tile_f32(a, m0, c, TILE_M, TILE_N);
+            } else if (bf16) {
+                tile_bf16(a, m0, c, mr, nr);
+            } else {
+                tile_f32(a, m0, c, mr, nr);
+            }
+        }
+    }
+}
+
+static void run(const Matmul *a, int bf16, int num_threads) {
+    /* Few rows read each weight once (memory-bound): small blocks keep both threads busy. */
+    const int64_t rows_per_block = a->m <= 16 ? 16 : 64;
+    const int64_t blocks = (a->n + rows_per_block - 1) / rows_per_block;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t n0 = b * rows_per_block, n1 = n0 + rows_per_block < a->n ? n0 + rows_per_block : a->n;
+        block(a, bf16, n0, n1);
+    }
+}
+
+void radixrt_rowwise_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *w,
+                                 int64_t n, const uint16_t *bias, void *out, int out_f32, int num_threads) {
+    Matmul a = {x, x_stride, m, k, w, n, bias, out, out_f32};
+    run(&a, 1, num_threads);
+}
+
+void radixrt_rowwise_matmul_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *w, int64_t n,
+                                const float *bias, float *out, int num_threads) {
+    Matmul a = {x, x_stride, m, k, w, n, bias, out, 1};
+    run(&a, 0, num_threads);
+}
+
+#else
+
+int radixrt_rowwise_matmul_available(void) { return 0; }
+
+void radixrt_rowwise_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *w,
+                                 int64_t n, const uint16_t *bias, void *out, int out_f32, int num_threads) {
+    (void)x; (void)x_stride; (void)m; (void)k; (void)w; (void)n; (void)bias; (void)out; (void)out_f32;
+    (void)num_threads;
+}
+
+void radixrt_rowwise_matmul_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *w, int64_t n,
+                                const float *bias, float *out, int num_threads) {
+    (void)x; (void)x_stride; (void)m; (void)k; (void)w; (void)n; (void)bias; (void)out; (void)num_threads;
+}
+
+#endif
