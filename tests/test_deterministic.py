@@ -1,11 +1,13 @@
 """Deterministic mode: every output bitwise the same however the requests were batched and cached.
 
-A tiny Llama on random 4-bit projections and a random 8-bit head (the shapes
-radixrt's own kernels take) runs the same prompts under configurations that
-change batch composition, chunk boundaries, the shared-prefix split, page
-size, memory pressure and the cache; tokens and log-probabilities must be
-equal bit for bit. The same checks without `deterministic` find differences,
-so they can fail.
+Two tiny bf16 models, one per deterministic path: a Llama on random 4-bit
+projections and a random 8-bit head (the whole-step kernel), and a dense
+Qwen2-style model with q/k/v biases and 32-wide heads (the rowwise matmul
+and the C attention, layer by layer). Each runs the same prompts under
+configurations that change batch composition, chunk boundaries, the
+shared-prefix split, page size, memory pressure and the cache; tokens and
+log-probabilities must be equal bit for bit. The same checks without
+`deterministic` find differences, so they can fail.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,23 +33,39 @@ from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import LoadedModel
 from radixrt.model.runner import ModelRunner
 from radixrt.runtime import Runtime
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, randomize_weights
 from tests.test_decode_stack import native_llama
+from tests.test_model import ours_from
 
 CHUNK = 256  # kernels/cpu/decode_attention.c's CHUNK: prompts here cross it
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    if cpu.decode_stack() is None:
+def dense_llama() -> LlamaForCausalLM:
+    """A tiny dense bf16 model with q/k/v biases and 32-wide heads (Qwen2's layout)."""
+    config = transformers.Qwen2Config(
+        vocab_size=TINY_VOCAB, hidden_size=160, intermediate_size=320, num_hidden_layers=2, num_attention_heads=5,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    hf_model = transformers.Qwen2ForCausalLM(config)
+    randomize_weights(hf_model, seed=3)
+    ours = ours_from(hf_model).to(torch.bfloat16)
+    ours.prepack()
+    return ours
+
+
+@pytest.fixture(scope="module", params=["native", "dense"])
+def model(request: pytest.FixtureRequest) -> LlamaForCausalLM:
+    if cpu.decode_stack() is None or cpu.rowwise_matmul() is None:
         pytest.skip("no C compiler or no AVX512-BF16 on this CPU: deterministic mode needs radixrt's kernels")
-    return native_llama(TINY_VOCAB, quantized_head=True)
+    return native_llama(TINY_VOCAB, quantized_head=True) if request.param == "native" else dense_llama()
 
 
 @pytest.fixture(scope="module")
 def loaded(model: LlamaForCausalLM, tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return LoadedModel(model=model, config=model.config, tokenizer=tiny_tokenizer, name="tiny-native",
-                       path=Path(tmp_path_factory.mktemp("tiny-native")), weights="native",
+    weights = "dense" if model._stack is None else "native"
+    return LoadedModel(model=model, config=model.config, tokenizer=tiny_tokenizer, name=f"tiny-{weights}",
+                       path=Path(tmp_path_factory.mktemp(f"tiny-{weights}")), weights=weights,
                        read_hf_config=lambda: None)  # fmt: skip
 
 
@@ -249,17 +268,26 @@ def test_outputs_do_not_depend_on_batching_chunking_paging_memory_or_the_cache(l
         assert outputs(loaded, jobs, options, submit) == reference, name
 
 
-def test_deterministic_refuses_what_its_kernels_cannot_serve(tiny_llama_dir):
-    with pytest.raises(ValueError, match="deterministic=True: deterministic steps need the whole-step C kernel"):
-        Runtime(tiny_llama_dir, deterministic=True, max_total_tokens=256)
+def test_deterministic_refuses_what_its_kernels_cannot_serve(tiny_llama_dir, make_tiny_hf_model):
+    with pytest.raises(ValueError, match="deterministic=True: deterministic steps need radixrt's C attention "
+                                         "reading the KV pool: dtype=bfloat16 .* float32"):
+        Runtime(tiny_llama_dir, dtype="float32", deterministic=True, max_total_tokens=256)
     with pytest.raises(ValueError, match="deterministic must be True, False or 'auto'"):
         Runtime(tiny_llama_dir, deterministic="yes", max_total_tokens=256)
-    with Runtime(tiny_llama_dir, max_total_tokens=256) as runtime:
+    with Runtime(tiny_llama_dir, dtype="float32", max_total_tokens=256) as runtime:
         assert runtime.deterministic is False, "auto: off where the kernels cannot serve it"
+    sliding = ours_from(make_tiny_hf_model("mistral", sliding_window=16)).to(torch.bfloat16)
+    cache = KVCache(sliding.config.kv_shape(torch.bfloat16), 64)
+    config = sliding.config
+    backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim)
+    with pytest.raises(ValueError, match="full causal attention only"):
+        ModelRunner(sliding, cache, backend, deterministic=True)
 
 
-def test_auto_is_deterministic_where_the_kernels_serve_the_model(loaded):
+def test_auto_is_deterministic_where_it_costs_nothing(loaded):
     with Runtime(loaded, max_total_tokens=512) as runtime:
+        assert runtime.deterministic is (loaded.weights == "native"), "dense weights: opt-in (it costs 4-20%)"
+    with Runtime(loaded, deterministic=True, max_total_tokens=512) as runtime:
         assert runtime.deterministic is True
 
 

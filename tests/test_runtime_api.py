@@ -260,8 +260,9 @@ def test_aborting_a_group_id_stops_every_sample(rt):
 
 def test_cancelling_an_async_call_aborts_its_request(rt):
     async def cancel_midway() -> None:
-        task = asyncio.create_task(rt.async_generate(ids(8), {"max_new_tokens": 400, "ignore_eos": True}))
-        await asyncio.sleep(0.3)
+        task = asyncio.create_task(rt.async_generate(ids(8), {"max_new_tokens": 1000, "ignore_eos": True}))
+        while rt.cache_stats()["running_requests"] == 0:  # cancel once it runs, not after a guessed delay
+            await asyncio.sleep(0.002)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -317,9 +318,9 @@ def test_runner_sets_threads_per_step_and_restores_them(tiny_llama_dir):
             runner = rt.engine.runner
             forward = runner.model.forward
 
-            def spy(batch, backend, plan):
+            def spy(batch, backend, plan, deterministic):
                 seen.append((batch.num_tokens, torch.get_num_threads()))
-                return forward(batch, backend, plan)
+                return forward(batch, backend, plan, deterministic)
 
             runner.model.forward = spy
             rt.generate("a prompt of more than four tokens, surely", {"max_new_tokens": 3, "temperature": 0})

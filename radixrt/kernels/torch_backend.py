@@ -22,6 +22,11 @@ kernel, decode sequences skip the gather, the padding and SDPA: the kernel
 reads each sequence's keys in place (a `_PagedDecode` instead of a decode
 group). fp32 keeps SDPA: it is the dtype our exactness tests compare.
 
+Deterministic steps (`plan_segments`) send every row to the C kernel as
+segments cut at whole chunks (`kernels.segments.aligned_attention_segments`):
+no padding, no SDPA, each row's keys reduced in the same pieces whatever the
+batch holds.
+
 Sequences that share a cached prefix of at least `shared_prefix_min_tokens` slots
 (a few-shot batch, the branches of a fork) are split in two (see
 `shared_prefix`): all their queries attend the shared prefix in one call, the
@@ -47,6 +52,7 @@ import torch.nn.functional as F
 from radixrt.kernels import cpu
 from radixrt.kernels.base import FULL_ATTENTION, AttentionBackend, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.kernels.segments import AttentionSegments
 from radixrt.kernels.shared_prefix import (
     SharedPrefix,
     attention_with_lse,
@@ -109,6 +115,7 @@ class TorchAttentionPlan:
     groups: tuple[_Group | _PagedDecode, ...]
     cascades: tuple[_Cascade, ...]
     attention: LayerAttention
+    segments: AttentionSegments | None = None  # set by plan_segments: the C kernel attends every row
 
 
 class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
@@ -126,6 +133,19 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         """Whether radixrt's C attention reads this pool (bf16, on a CPU where the kernels built):
         the condition for a whole-step kernel (`LlamaForCausalLM`) to attend in its place."""
         return self._decode_kernel is not None
+
+    @property
+    def attention_chunk(self) -> int:
+        """How many keys the C kernel reduces as one piece (needs `reads_pool_in_place`)."""
+        assert self._decode_kernel is not None
+        return self._decode_kernel.chunk
+
+    def plan_segments(self, segments: AttentionSegments, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:
+        """A plan that attends every row of the batch through the C kernel as `segments` say
+        (full causal attention, no soft-cap; needs `reads_pool_in_place`)."""
+        if self._decode_kernel is None or attention.sliding_window is not None or attention.logit_softcap is not None:
+            raise ValueError("segment plans need the C attention kernel and full causal attention without a soft-cap")
+        return TorchAttentionPlan((), (), attention, segments)
 
     def plan(self, batch: ForwardBatch, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:
         device = self.kv_cache.device
@@ -180,6 +200,8 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
     ) -> torch.Tensor:
         k_pool, v_pool = self.kv_cache.k[layer], self.kv_cache.v[layer]
         scale, softcap = self.softmax_scale(plan.attention), plan.attention.logit_softcap
+        if plan.segments is not None:
+            return self._attend_segments(q, k_pool, v_pool, batch, plan.segments, scale)
         first = plan.groups[0]
         out = None if first.out_rows is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.cascades:
@@ -219,6 +241,19 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
             prefix_out, prefix_lse = self._shared_prefix(q, k_pool, v_pool, cascade, scale, softcap)
             rows = cascade.rows
             out.index_copy_(0, rows, merge(prefix_out, prefix_lse, tail_out[rows], tail_lse[rows]))
+        return out
+
+    def _attend_segments(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
+        segments: AttentionSegments, scale: float,
+    ) -> torch.Tensor:
+        """Every row through the C kernel, its keys as `segments` list them."""
+        assert self._decode_kernel is not None
+        if q.stride(2) != 1 or q.stride(1) != self.head_dim:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        tensors = (segments.starts, segments.lens, segments.row_ptr, segments.rows)
+        self._decode_kernel.segments(q, k_pool, v_pool, batch.kv_indices, tensors, out, None, scale)
         return out
 
     def _shared_prefix(

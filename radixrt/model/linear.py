@@ -1,4 +1,5 @@
-"""Linear projections: plain, prepacked for oneDNN (CPU, bf16), or 4-bit (CPU, GGUF weights).
+"""Linear projections: plain, prepacked for oneDNN (CPU, bf16), 4-bit (CPU, GGUF weights), or
+batch-invariant (CPU, deterministic mode).
 
 CPU decode reads every weight once per step. Handing oneDNN a weight
 already reordered into its blocked layout, once at load time, makes the bf16
@@ -47,6 +48,22 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     except (RuntimeError, AttributeError):
         return plain(weight, bias)
     return fn
+
+
+def rowwise(weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False) -> Linear:
+    """`x @ w.T (+ bias)` through radixrt's batch-invariant kernel (`kernels/cpu/rowwise_matmul.c`):
+    a row's result is the same whatever other rows share the call, which no library GEMM here
+    promises. Over the live parameters; float32 results with `float_out` (an LM head)."""
+    kernel = cpu.rowwise_matmul() if weight.device.type == "cpu" else None
+    if kernel is None or not kernel.supports(weight.dtype):
+        raise ValueError(f"no batch-invariant matmul for {weight.dtype} on {weight.device}: it needs a CPU with "
+                         "AVX512-BF16 and a C compiler, and bfloat16 or float32 weights")
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        out = kernel(_rows(x, weight.shape[1]), weight, bias, float_out)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return linear
 
 
 def on_first_call(make: Callable[[], Linear]) -> Linear:

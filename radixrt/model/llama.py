@@ -19,10 +19,12 @@ On native 4-bit weights, a step of at most `STACK_MAX_ROWS` tokens through
 radixrt's C attention runs every layer in one C call instead
 (`Int4DecodeStack`): `plan_attention` then returns a `StackedStep`.
 
-Deterministic steps (`deterministic=True` to `plan_attention` and
-`compute_logits`) go through that kernel and the file's own LM head whatever
-their size, with attention cut at whole chunks: each token's logits are then
-bitwise those it gets in any other batch (`docs/determinism.md`).
+Deterministic steps (`deterministic=True` to `plan_attention`, `forward` and
+`compute_logits`, after `prepare_deterministic`) make each token's logits
+bitwise those it gets in any other batch (`docs/determinism.md`): on native
+4-bit weights through that kernel and the file's own LM head whatever their
+size; on dense weights through `linear.rowwise` projections and head and the
+C attention reading the pool; attention cut at whole chunks either way.
 """
 
 from __future__ import annotations
@@ -137,6 +139,8 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = _weight(hidden, config.intermediate_size, device=device, dtype=dtype)
         self._bind_linears(linear.plain)
         self.int4_steps: Int4LayerSteps | None = None  # decode-sized steps in C (`use_int4`)
+        # (qkv, o, gate_up, down) for deterministic steps (`use_rowwise`)
+        self.rowwise: tuple[linear.Linear, linear.Linear, linear.Linear, linear.Linear] | None = None
 
     def _bind_linears(self, make: Callable[..., linear.Linear]) -> None:
         self.qkv = make(self.qkv_proj, self.qkv_bias)
@@ -147,6 +151,11 @@ class LlamaDecoderLayer(nn.Module):
     def prepack(self) -> None:
         """Reorder the loaded weights for the platform's matmul (see `radixrt.model.linear`)."""
         self._bind_linears(linear.pack)
+
+    def use_rowwise(self) -> None:
+        """Build the batch-invariant projections deterministic steps use (`linear.rowwise`)."""
+        self.rowwise = (linear.rowwise(self.qkv_proj, self.qkv_bias), linear.rowwise(self.o_proj, self.o_bias),
+                        linear.rowwise(self.gate_up_proj), linear.rowwise(self.down_proj))
 
     def use_int4(self, weights: dict[str, Int4Weight], dense_loaded: bool = True) -> None:
         """Multiply by 4-bit weights in small steps. `dense_loaded` False: the dense projections were
@@ -188,13 +197,19 @@ class LlamaDecoderLayer(nn.Module):
         batch: ForwardBatch,
         backend: AttentionBackend[Any],
         plan: Any,
+        deterministic: bool = False,
     ) -> torch.Tensor:
         config = self.config
         num_tokens = hidden.shape[0]
-        if self.int4_steps is not None and num_tokens <= INT4_MAX_ROWS:
-            return self._int4_forward(self.int4_steps, hidden, cos, signed_sin, batch, backend, plan)
+        if deterministic:
+            assert self.rowwise is not None, "call LlamaForCausalLM.prepare_deterministic first"
+            qkv_proj, o_proj, gate_up, down = self.rowwise
+        else:
+            if self.int4_steps is not None and num_tokens <= INT4_MAX_ROWS:
+                return self._int4_forward(self.int4_steps, hidden, cos, signed_sin, batch, backend, plan)
+            qkv_proj, o_proj, gate_up, down = self.qkv, self.o, self.gate_up, self.down
         x = self.rms_norm(hidden, self.input_norm, config.rms_norm_eps)
-        qkv = self.qkv(x).view(num_tokens, -1, config.head_dim)
+        qkv = qkv_proj(x).view(num_tokens, -1, config.head_dim)
         num_qk_heads = config.num_heads + config.num_kv_heads
         qk = qkv[:, :num_qk_heads] if self.q_norm is None else self._qk_norm(qkv)
         qk = rope.apply(qk, cos, signed_sin)
@@ -202,14 +217,14 @@ class LlamaDecoderLayer(nn.Module):
         q = qk[:, : config.num_heads]
         k = qk[:, config.num_heads :]
         v = qkv[:, num_qk_heads:]
-        attn = self.o(backend.forward(q, k, v, self.index, batch, plan).reshape(num_tokens, -1))
+        attn = o_proj(backend.forward(q, k, v, self.index, batch, plan).reshape(num_tokens, -1))
         eps = config.rms_norm_eps
         if self.pre_feedforward_norm is None or self.post_feedforward_norm is None:
             # hidden += attn, in place (hidden is this step's own activation), then normalized
-            return hidden.add_(self._mlp(self.rms_norm(hidden, self.post_attention_norm, eps, attn)))
+            return hidden.add_(self._mlp(self.rms_norm(hidden, self.post_attention_norm, eps, attn), gate_up, down))
         # Gemma: each sublayer's output is normalized before it joins the residual stream
         hidden.add_(self.rms_norm(attn, self.post_attention_norm, eps))
-        mlp = self._mlp(self.rms_norm(hidden, self.pre_feedforward_norm, eps))
+        mlp = self._mlp(self.rms_norm(hidden, self.pre_feedforward_norm, eps), gate_up, down)
         return hidden.add_(self.rms_norm(mlp, self.post_feedforward_norm, eps))
 
     def _int4_forward(
@@ -224,9 +239,9 @@ class LlamaDecoderLayer(nn.Module):
                                plan)
         return steps.finish(hidden, attn.reshape(num_tokens, -1))
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.activation(gate) * up)
+    def _mlp(self, x: torch.Tensor, gate_up: linear.Linear, down: linear.Linear) -> torch.Tensor:
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        return down(self.activation(gate) * up)
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3's RMSNorm of each q and k head, [T, q heads + k heads, head_dim].
@@ -275,7 +290,9 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._lm_head = linear.plain(self.lm_head)
         self._stack: Int4DecodeStack | None = None  # set by use_int4_projections where it applies
-        self._exact_lm_head: linear.Linear | None = None  # the file's quantized head, for every row count
+        self._native = False  # projections on 4-bit weights (use_int4_projections)
+        # the head deterministic steps use, for every row count: the file's quantized one, or `linear.rowwise`
+        self._invariant_lm_head: linear.Linear | None = None
 
     def prepack(self, projections: bool = True) -> None:
         """Call once the weights are loaded: faster projections, identical results. `projections`
@@ -304,6 +321,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, weights in zip(self.layers, native.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.use_int4(weights, dense_loaded)
+        self._native = True
         attention = self._attention_kinds
         if len(attention) == 1 and attention[0].sliding_window is None and attention[0].logit_softcap is None:
             steps = [layer.int4_steps for layer in self._decoder_layers()]
@@ -312,8 +330,8 @@ class LlamaForCausalLM(nn.Module):
         if head is not None:
             if head.shape != tuple(self.lm_head.shape):
                 raise ValueError(f"quantized LM head shape {head.shape}, model expects {tuple(self.lm_head.shape)}")
-            self._exact_lm_head = linear.lm_head(head, self.dtype)
-            self._lm_head = linear.by_rows(self._exact_lm_head, self._lm_head, INT4_MAX_ROWS)
+            self._invariant_lm_head = linear.lm_head(head, self.dtype)
+            self._lm_head = linear.by_rows(self._invariant_lm_head, self._lm_head, INT4_MAX_ROWS)
 
     @property
     def device(self) -> torch.device:
@@ -340,43 +358,78 @@ class LlamaForCausalLM(nn.Module):
         """Why steps of this model through `backend` cannot be batch-invariant, or None if they can.
 
         Only radixrt's own kernels are invariant by construction (every row the same
-        instructions whatever the step holds): the whole-stack kernel on native 4-bit weights,
-        a Llama without extras, the file's own quantized LM head, the torch backend reading
-        the pool in place (the CPU).
+        instructions whatever the step holds), and they run on the CPU with a bf16 pool:
+        on native 4-bit weights the whole-stack kernel (a Llama without extras, the file's
+        own quantized LM head); on dense weights the rowwise matmul, the C RMSNorm and the
+        C attention reading the pool, for full causal attention.
         """
         if not isinstance(backend, TorchAttentionBackend):
             return (f"the {backend.name} attention backend is not batch-invariant; deterministic steps run "
                     "on the CPU (attention_backend='torch' or 'auto')")
-        if self._stack is None or not backend.reads_pool_in_place:
-            return ("deterministic steps need the whole-step C kernel: a plain Llama-family GGUF model with "
-                    "Q4_0/Q4_1 projections, weights='native', dtype=bfloat16, a CPU with AVX512-BF16 and a C "
-                    f"compiler (this model: {self.config.architecture}, {str(self.dtype).removeprefix('torch.')}, "
-                    f"{'native' if self._stack is not None else 'dense or unsupported'} weights)")
-        if self._exact_lm_head is None:
-            return "deterministic steps need the GGUF file's LM head stored as Q4_0, Q4_1 or Q8_0"
+        dtype = str(self.dtype).removeprefix("torch.")
+        if not backend.reads_pool_in_place:
+            return ("deterministic steps need radixrt's C attention reading the KV pool: dtype=bfloat16 on a CPU "
+                    f"where radixrt's kernels build with a C compiler (this model: {dtype})")
+        if self._native:
+            if self._stack is None:
+                return ("on native 4-bit weights deterministic steps need the whole-step C kernel: a plain "
+                        "Llama-family GGUF model with Q4_0/Q4_1 projections on a CPU with AVX512-BF16 (this model: "
+                        f"{self.config.architecture}); weights='dense' runs them on the dense weights")
+            if self._invariant_lm_head is None:
+                return "deterministic steps need the GGUF file's LM head stored as Q4_0, Q4_1 or Q8_0"
+            return None
+        if cpu.rowwise_matmul() is None:
+            return "deterministic steps on dense weights need radixrt's rowwise matmul: a CPU with AVX512-BF16"
+        if self.config.is_gemma:
+            return "deterministic steps do not cover Gemma's norms and soft-capping yet"
+        if any(kind.sliding_window is not None or kind.logit_softcap is not None for kind in self._attention_kinds):
+            return "deterministic steps cover full causal attention only (this model has sliding-window layers)"
         return None
+
+    @property
+    def deterministic_is_free(self) -> bool:
+        """Whether deterministic steps cost no measured speed here, so "auto" turns them on: on
+        native 4-bit weights the whole-step kernel is the fast path anyway; on dense weights the
+        rowwise matmul and the C attention cost 4-20% a step against oneDNN and SDPA
+        (docs/determinism.md)."""
+        return self._stack is not None
+
+    def prepare_deterministic(self) -> None:
+        """Build what deterministic steps use (check `deterministic_problem` first): on dense weights
+        the batch-invariant projections and LM head (no copies: they read the loaded weights);
+        native 4-bit weights have theirs already."""
+        if self._native or self._invariant_lm_head is not None:
+            return
+        for layer in self._decoder_layers():
+            layer.use_rowwise()
+        self._invariant_lm_head = linear.rowwise(self.lm_head, float_out=True)
 
     def plan_attention(
         self, batch: ForwardBatch, backend: AttentionBackend[Any], deterministic: bool = False
     ) -> StepPlan:
         """`backend`'s plans of this batch, one per distinct `LayerAttention` of the layers; or,
-        for a step the whole-stack kernel takes (every deterministic step: check
-        `deterministic_problem` first), its `StackedStep`."""
-        stacked = deterministic or (self._stack is not None and batch.num_tokens <= STACK_MAX_ROWS
-                                    and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place)
-        if stacked:
-            assert self._stack is not None and isinstance(backend, TorchAttentionBackend)
+        for a step the whole-stack kernel takes (every deterministic step on native weights:
+        check `deterministic_problem` first), its `StackedStep`."""
+        if deterministic:
+            assert isinstance(backend, TorchAttentionBackend)
+            chunked = aligned_attention_segments(batch, backend.shared_prefix_min_tokens, backend.attention_chunk)
+            if self._stack is None:
+                return {kind: backend.plan_segments(chunked, kind) for kind in self._attention_kinds}
             (attention,) = self._attention_kinds
-            min_shared = backend.shared_prefix_min_tokens
-            segments = (aligned_attention_segments(batch, min_shared, self._stack.attention_chunk) if deterministic
-                        else attention_segments(batch, min_shared))
-            return StackedStep(segments, backend.softmax_scale(attention))
+            return StackedStep(chunked, backend.softmax_scale(attention))
+        if (self._stack is not None and batch.num_tokens <= STACK_MAX_ROWS
+                and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place):
+            (attention,) = self._attention_kinds
+            return StackedStep(attention_segments(batch, backend.shared_prefix_min_tokens),
+                               backend.softmax_scale(attention))
         return {kind: backend.plan(batch, kind) for kind in self._attention_kinds}
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend[Any], plans: StepPlan) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend[Any], plans: StepPlan, deterministic: bool = False
+    ) -> torch.Tensor:
         """Hidden states after the final norm, [batch.num_tokens, hidden_size].
 
-        `plans` must be `plan_attention(batch, backend)` for this very batch;
+        `plans` must be `plan_attention(batch, backend, deterministic)` for this very batch;
         every layer's attention stores its new K/V at `batch.out_slots`.
         """
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
@@ -393,14 +446,16 @@ class LlamaForCausalLM(nn.Module):
             tables = {rope: rope.cos_sin(batch.positions, self.dtype) for rope in self._distinct_ropes}
             for layer, rope in zip(self._decoder_layers(), self._layer_ropes):
                 cos, signed_sin = tables[rope]
-                hidden = layer.forward(hidden, cos, signed_sin, rope, batch, backend, plans[layer.attention])
+                hidden = layer.forward(hidden, cos, signed_sin, rope, batch, backend, plans[layer.attention],
+                                       deterministic)
         return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden_rows: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """float32 logits [N, vocab_size] for N rows of `forward`'s output (soft-capped where the
-        config says, in float32). `deterministic`: through the file's own head for any N (the dense
-        one, faster for many rows, is another rounding of the weights)."""
-        head = self._exact_lm_head if deterministic else self._lm_head
+        config says, in float32). `deterministic`: through the head that rounds a row the same for
+        any N (native weights: the file's own; the dense one, faster for many rows, rounds the
+        weights differently)."""
+        head = self._invariant_lm_head if deterministic else self._lm_head
         assert head is not None, "check deterministic_problem first"
         logits = head(hidden_rows).float()
         cap = self.config.final_logit_softcapping

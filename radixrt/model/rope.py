@@ -157,11 +157,22 @@ class RotaryEmbedding:
         return 1.0 / (base.float()[:, None] ** _exponents(dim).to(positions.device))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed_sin), each [num_tokens, 1, head_dim] in `dtype`."""
+        """(cos, signed_sin), each [num_tokens, 1, head_dim] in `dtype`.
+
+        The angles are padded to a multiple of 64 values: torch's vectorized cos and sin
+        leave a remainder shorter than its vectors to a scalar loop that may round
+        differently, and which values fall there would otherwise depend on the number
+        of tokens in the step (deterministic mode needs a position's table the same in
+        any batch).
+        """
+        num_tokens = positions.shape[0]
+        pad = -num_tokens % (64 // math.gcd(64, self.head_dim))
+        if pad:
+            positions = torch.cat((positions, positions.new_zeros(pad)))
         freqs = self._frequencies(positions)
         emb = torch.cat((freqs, freqs), dim=-1)
         half = self.head_dim // 2
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = emb.cos()[:num_tokens], emb.sin()[:num_tokens]
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         sin[:, :half].neg_()

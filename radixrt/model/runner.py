@@ -52,7 +52,9 @@ class ModelRunner:
     `threads` (CPU only) sets torch's thread count for each step, restoring it
     afterwards; None leaves it alone. `deterministic`: True makes every step
     batch-invariant (`LlamaForCausalLM.deterministic_problem` says why it cannot
-    be: ValueError); "auto" where it can be, else not; `self.deterministic` says which.
+    be: ValueError); "auto" where it costs no measured speed (native 4-bit weights through
+    the whole-step kernel; `LlamaForCausalLM.deterministic_is_free`), else not;
+    `self.deterministic` says which.
     """
 
     def __init__(
@@ -80,7 +82,10 @@ class ModelRunner:
         problem = model.deterministic_problem(backend) if deterministic else None
         if deterministic is True and problem is not None:
             raise ValueError(f"deterministic=True: {problem}")
-        self.deterministic = bool(deterministic) and problem is None
+        wanted = model.deterministic_is_free if deterministic == "auto" else bool(deterministic)
+        self.deterministic = wanted and problem is None
+        if self.deterministic:
+            model.prepare_deterministic()
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -108,7 +113,7 @@ class ModelRunner:
         try:
             with torch.inference_mode(), cpu.kernel_threads(None if self.threads is None else self.threads.large):
                 plans = self.model.plan_attention(batch, self.backend, self.deterministic)
-                hidden = self.model.forward(batch, self.backend, plans)
+                hidden = self.model.forward(batch, self.backend, plans, self.deterministic)
                 rows = hidden.index_select(0, logit_rows.to(hidden.device))
                 return self.model.compute_logits(rows, self.deterministic)
         finally:

@@ -117,6 +117,8 @@ class DecodeAttention:
             i32, i32, i32, ctypes.c_float, i32, pointer, pointer,  # Hq, Hkv, D, scale, num_threads, out, lse
         ]
         self._segments_fn.restype = i32
+        # Keys per piece of a segment's reduction (`kernels.segments.aligned_attention_segments`)
+        self.chunk = int(library.radixrt_attention_chunk())
 
     def segments(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
