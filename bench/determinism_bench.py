@@ -1,6 +1,7 @@
 """Does batching change the answer? Greedy outputs of the same prompts under six ways of running them.
 
-The bundled SmolLM2 (bf16, native 4-bit weights) answers N questions about one
+The bundled SmolLM2 (bf16, native 4-bit weights; or --model, e.g. its Hugging Face
+folder for the dense path) answers N questions about one
 shared ledger (a prefix of ~1,000 tokens) with G greedy tokens each, under:
 one batch (the reference), one request at a time, a shuffled order, a tight
 KV pool (evicting and retracting), the radix cache off, chunked prefill of
@@ -10,7 +11,8 @@ reference's and the prompts that agree across every configuration, and
 times each configuration (wall seconds, one run each: a rough cost, the
 suite measures it properly).
 
-Not a test: nothing is asserted. Run: python bench/determinism_bench.py [--prompts 24] [--new-tokens 24]
+Not a test: nothing is asserted.
+Run: python bench/determinism_bench.py [--model FOLDER_OR_GGUF] [--prompts 24] [--new-tokens 24]
 """
 
 from __future__ import annotations
@@ -52,13 +54,13 @@ def ledger_prompts(count: int, seed: int) -> list[str]:
     return [preamble + q for q in questions]
 
 
-def run(prompts: list[str], options: dict[str, Any], submit: str, new_tokens: int,
+def run(model: str | None, prompts: list[str], options: dict[str, Any], submit: str, new_tokens: int,
         deterministic: bool) -> tuple[list[list[int]], float]:
     params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
     order = list(range(len(prompts)))
     if submit == "shuffled":
         random.Random(1).shuffle(order)
-    with Runtime(deterministic=deterministic, **options) as runtime:
+    with Runtime(model, dtype="bfloat16", deterministic=deterministic, **options) as runtime:
         start = time.perf_counter()
         if submit == "one by one":
             answers = [runtime.generate(prompts[i], params) for i in order]
@@ -74,6 +76,7 @@ def run(prompts: list[str], options: dict[str, Any], submit: str, new_tokens: in
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a Hugging Face folder or .gguf file (default: bundled)")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
@@ -85,7 +88,7 @@ def main() -> int:
         mode = "deterministic" if deterministic else "default"
         results = []
         for name, options, submit in CONFIGURATIONS:
-            outputs, seconds = run(prompts, options, submit, args.new_tokens, deterministic)
+            outputs, seconds = run(args.model, prompts, options, submit, args.new_tokens, deterministic)
             results.append(outputs)
             same = sum(a == b for a, b in zip(outputs, results[0]))
             print(f"| {mode} | {name} | {same}/{len(prompts)} | {seconds:.1f} |", flush=True)

@@ -284,10 +284,8 @@ def test_deterministic_refuses_what_its_kernels_cannot_serve(tiny_llama_dir, mak
         ModelRunner(sliding, cache, backend, deterministic=True)
 
 
-def test_auto_is_deterministic_where_it_costs_nothing(loaded):
+def test_auto_is_deterministic_where_the_kernels_serve_the_model(loaded):
     with Runtime(loaded, max_total_tokens=512) as runtime:
-        assert runtime.deterministic is (loaded.weights == "native"), "dense weights: opt-in (it costs 4-20%)"
-    with Runtime(loaded, deterministic=True, max_total_tokens=512) as runtime:
         assert runtime.deterministic is True
 
 

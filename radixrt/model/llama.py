@@ -386,14 +386,6 @@ class LlamaForCausalLM(nn.Module):
             return "deterministic steps cover full causal attention only (this model has sliding-window layers)"
         return None
 
-    @property
-    def deterministic_is_free(self) -> bool:
-        """Whether deterministic steps cost no measured speed here, so "auto" turns them on: on
-        native 4-bit weights the whole-step kernel is the fast path anyway; on dense weights the
-        rowwise matmul and the C attention cost 4-20% a step against oneDNN and SDPA
-        (docs/determinism.md)."""
-        return self._stack is not None
-
     def prepare_deterministic(self) -> None:
         """Build what deterministic steps use (check `deterministic_problem` first): on dense weights
         the batch-invariant projections and LM head (no copies: they read the loaded weights);

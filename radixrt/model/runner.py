@@ -52,9 +52,7 @@ class ModelRunner:
     `threads` (CPU only) sets torch's thread count for each step, restoring it
     afterwards; None leaves it alone. `deterministic`: True makes every step
     batch-invariant (`LlamaForCausalLM.deterministic_problem` says why it cannot
-    be: ValueError); "auto" where it costs no measured speed (native 4-bit weights through
-    the whole-step kernel; `LlamaForCausalLM.deterministic_is_free`), else not;
-    `self.deterministic` says which.
+    be: ValueError); "auto" where it can be, else not; `self.deterministic` says which.
     """
 
     def __init__(
@@ -82,8 +80,7 @@ class ModelRunner:
         problem = model.deterministic_problem(backend) if deterministic else None
         if deterministic is True and problem is not None:
             raise ValueError(f"deterministic=True: {problem}")
-        wanted = model.deterministic_is_free if deterministic == "auto" else bool(deterministic)
-        self.deterministic = wanted and problem is None
+        self.deterministic = bool(deterministic) and problem is None
         if self.deterministic:
             model.prepare_deterministic()
         self.model = model
