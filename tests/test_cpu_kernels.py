@@ -175,3 +175,51 @@ def test_row_stats_are_torchs_argmax_and_logsumexp(rows, cols, ties, seed):
     argmax, lse = kernel(logits)
     assert torch.equal(argmax, logits.argmax(dim=1))
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=1), atol=1e-5, rtol=1e-6)
+
+
+def rowwise() -> cpu.RowwiseMatmul:
+    built = cpu.rowwise_matmul()
+    if built is None:
+        pytest.skip("the rowwise matmul needs AVX512-BF16")
+    return built
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 300), st.integers(1, 200)),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rowwise_matmul_gives_a_row_the_same_bits_in_any_batch(shape, dtype, bias, seed):
+    """Any K (masked tails), N (tile tails), row counts, row offsets and thread counts: each row is
+    bitwise what it is alone, and close to a float64 product."""
+    num_out, num_in = shape
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(num_out, num_in, generator=generator).to(dtype)
+    bias_values = torch.randn(num_out, generator=generator).to(dtype) if bias else None
+    x = torch.randn(40, num_in, generator=generator).to(dtype)
+    matmul = rowwise()
+    full = matmul(x, weight, bias_values)
+    alone = torch.cat([matmul(x[i : i + 1], weight, bias_values) for i in range(40)])
+    assert torch.equal(full, alone)
+    for start, rows in ((3, 5), (17, 23), (0, 4)):
+        assert torch.equal(matmul(x[start : start + rows], weight, bias_values), full[start : start + rows])
+    with cpu.kernel_threads(1):
+        assert torch.equal(matmul(x, weight, bias_values), full)
+    expected = x.double() @ weight.double().T + (0 if bias_values is None else bias_values.double())
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: the output's own rounding
+    assert torch.allclose(full.double(), expected, rtol=tolerance, atol=tolerance * num_in**0.5)
+    floats = matmul(x, weight, bias_values, float_out=True)
+    assert floats.dtype == torch.float32 and torch.equal(floats.to(dtype), full)
+
+
+def test_rowwise_matmul_refuses_mismatched_inputs_by_name():
+    matmul = rowwise()
+    with pytest.raises(ValueError, match="need \\[M, K\\] and \\[N, K\\] of one dtype"):
+        matmul(torch.ones(2, 8), torch.ones(4, 9))
+    with pytest.raises(ValueError, match="need \\[M, K\\] and \\[N, K\\] of one dtype"):
+        matmul(torch.ones(2, 8), torch.ones(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="unit stride along K"):
+        matmul(torch.ones(8, 2).t(), torch.ones(4, 8))
