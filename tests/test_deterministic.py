@@ -1,9 +1,9 @@
 """Deterministic mode: every output bitwise the same however the requests were batched and cached.
 
-Two tiny bf16 models, one per deterministic path: a Llama on random 4-bit
+Three tiny models, one per deterministic path: a bf16 Llama on random 4-bit
 projections and a random 8-bit head (the whole-step kernel), and a dense
 Qwen2-style model with q/k/v biases and 32-wide heads (the rowwise matmul
-and the C attention, layer by layer). Each runs the same prompts under
+and the C attention, layer by layer) in bf16 and in float32. Each runs the same prompts under
 configurations that change batch composition, chunk boundaries, the
 shared-prefix split, page size, memory pressure and the cache; tokens and
 log-probabilities must be equal bit for bit. The same checks without
@@ -40,8 +40,8 @@ from tests.test_model import ours_from
 CHUNK = 256  # kernels/cpu/decode_attention.c's CHUNK: prompts here cross it
 
 
-def dense_llama() -> LlamaForCausalLM:
-    """A tiny dense bf16 model with q/k/v biases and 32-wide heads (Qwen2's layout)."""
+def dense_llama(dtype: torch.dtype) -> LlamaForCausalLM:
+    """A tiny dense model with q/k/v biases and 32-wide heads (Qwen2's layout)."""
     config = transformers.Qwen2Config(
         vocab_size=TINY_VOCAB, hidden_size=160, intermediate_size=320, num_hidden_layers=2, num_attention_heads=5,
         num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
@@ -49,30 +49,33 @@ def dense_llama() -> LlamaForCausalLM:
     )  # fmt: skip
     hf_model = transformers.Qwen2ForCausalLM(config)
     randomize_weights(hf_model, seed=3)
-    ours = ours_from(hf_model).to(torch.bfloat16)
+    ours = ours_from(hf_model).to(dtype)
     ours.prepack()
     return ours
 
 
-@pytest.fixture(scope="module", params=["native", "dense"])
+@pytest.fixture(scope="module", params=["native", "dense-bf16", "dense-float32"])
 def model(request: pytest.FixtureRequest) -> LlamaForCausalLM:
     if cpu.decode_stack() is None or cpu.rowwise_matmul() is None:
         pytest.skip("no C compiler or no AVX512-BF16 on this CPU: deterministic mode needs radixrt's kernels")
-    return native_llama(TINY_VOCAB, quantized_head=True) if request.param == "native" else dense_llama()
+    if request.param == "native":
+        return native_llama(TINY_VOCAB, quantized_head=True)
+    return dense_llama(torch.float32 if request.param == "dense-float32" else torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
 def loaded(model: LlamaForCausalLM, tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     weights = "dense" if model._stack is None else "native"
-    return LoadedModel(model=model, config=model.config, tokenizer=tiny_tokenizer, name=f"tiny-{weights}",
-                       path=Path(tmp_path_factory.mktemp(f"tiny-{weights}")), weights=weights,
+    name = f"tiny-{weights}-{str(model.dtype).removeprefix('torch.')}"
+    return LoadedModel(model=model, config=model.config, tokenizer=tiny_tokenizer, name=name,
+                       path=Path(tmp_path_factory.mktemp(name)), weights=weights,
                        read_hf_config=lambda: None)  # fmt: skip
 
 
 # --- the model step ---------------------------------------------------------------------------------
 def runner_for(model: LlamaForCausalLM, num_slots: int, deterministic: bool) -> ModelRunner:
     config = model.config
-    cache = KVCache(config.kv_shape(torch.bfloat16), num_slots)
+    cache = KVCache(config.kv_shape(model.dtype), num_slots)
     backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim,
                              shared_prefix_min_tokens=8)  # fmt: skip
     return ModelRunner(model, cache, backend, deterministic=deterministic)
@@ -239,7 +242,8 @@ def outputs(loaded: LoadedModel, jobs: list[Job], options: dict[str, Any], submi
     if submit == "shuffled":
         random.Random(1).shuffle(order)
     results: dict[int, list[dict]] = {}
-    with Runtime(loaded, deterministic=deterministic, check_invariants=True,
+    with Runtime(loaded, dtype=str(loaded.model.dtype).removeprefix("torch."), deterministic=deterministic,
+                 check_invariants=True,
                  **{"max_total_tokens": 4096, **options}) as runtime:  # fmt: skip
 
         async def submit_all() -> list[Any]:
@@ -268,20 +272,23 @@ def test_outputs_do_not_depend_on_batching_chunking_paging_memory_or_the_cache(l
         assert outputs(loaded, jobs, options, submit) == reference, name
 
 
+def runner_over(model: LlamaForCausalLM, deterministic: bool | str) -> ModelRunner:
+    config = model.config
+    cache = KVCache(config.kv_shape(model.dtype), 64)
+    backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim)
+    return ModelRunner(model, cache, backend, deterministic=deterministic)
+
+
 def test_deterministic_refuses_what_its_kernels_cannot_serve(tiny_llama_dir, make_tiny_hf_model):
-    with pytest.raises(ValueError, match="deterministic=True: deterministic steps need radixrt's C attention "
-                                         "reading the KV pool: dtype=bfloat16 .* float32"):
-        Runtime(tiny_llama_dir, dtype="float32", deterministic=True, max_total_tokens=256)
     with pytest.raises(ValueError, match="deterministic must be True, False or 'auto'"):
         Runtime(tiny_llama_dir, deterministic="yes", max_total_tokens=256)
-    with Runtime(tiny_llama_dir, dtype="float32", max_total_tokens=256) as runtime:
-        assert runtime.deterministic is False, "auto: off where the kernels cannot serve it"
     sliding = ours_from(make_tiny_hf_model("mistral", sliding_window=16)).to(torch.bfloat16)
-    cache = KVCache(sliding.config.kv_shape(torch.bfloat16), 64)
-    config = sliding.config
-    backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim)
-    with pytest.raises(ValueError, match="full causal attention only"):
-        ModelRunner(sliding, cache, backend, deterministic=True)
+    with pytest.raises(ValueError, match="deterministic=True: .*full causal attention only"):
+        runner_over(sliding, deterministic=True)
+    wide_groups = ours_from(make_tiny_hf_model(hidden_size=34 * 4, num_attention_heads=34, num_key_value_heads=2, head_dim=16))
+    with pytest.raises(ValueError, match="deterministic=True: .*at most 16 query heads per KV head"):
+        runner_over(wide_groups, deterministic=True)
+    assert runner_over(wide_groups, deterministic="auto").deterministic is False, "auto: off where it cannot be"
 
 
 def test_auto_is_deterministic_where_the_kernels_serve_the_model(loaded):
@@ -291,7 +298,7 @@ def test_auto_is_deterministic_where_the_kernels_serve_the_model(loaded):
 
 def test_a_backend_that_cannot_honour_it_is_refused_by_name(model):
     config = model.config
-    cache = KVCache(config.kv_shape(torch.bfloat16), 64)
+    cache = KVCache(config.kv_shape(model.dtype), 64)
     triton_backend = pytest.importorskip("radixrt.kernels.triton_backend")  # the class only: no GPU runs here
     backend = triton_backend.TritonAttentionBackend(cache, config.num_heads, config.num_kv_heads, config.head_dim)
     with pytest.raises(ValueError, match="deterministic=True: the triton attention backend is not batch-invariant"):

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from radixrt.kernels import cpu
 from tests.test_server_e2e import free_port
 
 pytest.importorskip("ray.serve")
@@ -106,7 +107,8 @@ def conversation(system: str, turns: int, url: str) -> tuple[set[str], list[int]
 
 
 def test_one_conversation_stays_on_one_replica(fleet):
-    assert get(fleet, "/get_server_info").json()["deterministic"] is False  # the replicas' tiny float32 model
+    # the replicas' "auto", resolved: on where radixrt's kernels build
+    assert get(fleet, "/get_server_info").json()["deterministic"] is (cpu.rowwise_matmul() is not None)
     served, cached = conversation("You keep the ledger of the harbour office. " * 4, 4, fleet)
     assert len(served) == 1
     assert all(c > 0 for c in cached[1:])  # every later turn reused the earlier ones

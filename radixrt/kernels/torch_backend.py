@@ -123,10 +123,11 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
 
     def _setup(self) -> None:
         shape = self.kv_cache.shape
-        usable = self.kv_cache.device.type == "cpu" and cpu.supports(
-            self.num_q_heads, self.num_kv_heads, self.head_dim, shape.dtype
-        )
-        self._decode_kernel = cpu.decode_attention() if usable else None
+        heads = (self.num_q_heads, self.num_kv_heads, self.head_dim, shape.dtype)
+        on_cpu = self.kv_cache.device.type == "cpu"
+        self._decode_kernel = cpu.decode_attention() if on_cpu and cpu.supports(*heads) else None
+        # deterministic steps' attention: the same kernel, which also reads float32 pools
+        self._segment_kernel = cpu.decode_attention() if on_cpu and cpu.supports_segments(*heads) else None
 
     @property
     def reads_pool_in_place(self) -> bool:
@@ -135,15 +136,20 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         return self._decode_kernel is not None
 
     @property
+    def attends_segments(self) -> bool:
+        """Whether `plan_segments` works here: the C kernel reads this pool (bf16 or float32, CPU)."""
+        return self._segment_kernel is not None
+
+    @property
     def attention_chunk(self) -> int:
-        """How many keys the C kernel reduces as one piece (needs `reads_pool_in_place`)."""
-        assert self._decode_kernel is not None
-        return self._decode_kernel.chunk
+        """How many keys the C kernel reduces as one piece (needs `attends_segments`)."""
+        assert self._segment_kernel is not None
+        return self._segment_kernel.chunk
 
     def plan_segments(self, segments: AttentionSegments, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:
         """A plan that attends every row of the batch through the C kernel as `segments` say
-        (full causal attention, no soft-cap; needs `reads_pool_in_place`)."""
-        if self._decode_kernel is None or attention.sliding_window is not None or attention.logit_softcap is not None:
+        (full causal attention, no soft-cap; needs `attends_segments`)."""
+        if self._segment_kernel is None or attention.sliding_window is not None or attention.logit_softcap is not None:
             raise ValueError("segment plans need the C attention kernel and full causal attention without a soft-cap")
         return TorchAttentionPlan((), (), attention, segments)
 
@@ -248,12 +254,12 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         segments: AttentionSegments, scale: float,
     ) -> torch.Tensor:
         """Every row through the C kernel, its keys as `segments` list them."""
-        assert self._decode_kernel is not None
+        assert self._segment_kernel is not None
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tensors = (segments.starts, segments.lens, segments.row_ptr, segments.rows)
-        self._decode_kernel.segments(q, k_pool, v_pool, batch.kv_indices, tensors, out, None, scale)
+        self._segment_kernel.segments(q, k_pool, v_pool, batch.kv_indices, tensors, out, None, scale)
         return out
 
     def _shared_prefix(

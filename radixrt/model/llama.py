@@ -358,18 +358,19 @@ class LlamaForCausalLM(nn.Module):
         """Why steps of this model through `backend` cannot be batch-invariant, or None if they can.
 
         Only radixrt's own kernels are invariant by construction (every row the same
-        instructions whatever the step holds), and they run on the CPU with a bf16 pool:
-        on native 4-bit weights the whole-stack kernel (a Llama without extras, the file's
-        own quantized LM head); on dense weights the rowwise matmul, the C RMSNorm and the
-        C attention reading the pool, for full causal attention.
+        instructions whatever the step holds), and they run on the CPU: on native 4-bit
+        weights the whole-stack kernel (a Llama without extras, the file's own quantized LM
+        head); on dense bf16 or float32 weights the rowwise matmul and the C attention
+        reading the pool, for full causal attention (RMSNorm: radixrt's in bf16, torch's in
+        float32, whose rows are reduced alone: measured, and the tests check it).
         """
         if not isinstance(backend, TorchAttentionBackend):
             return (f"the {backend.name} attention backend is not batch-invariant; deterministic steps run "
                     "on the CPU (attention_backend='torch' or 'auto')")
-        dtype = str(self.dtype).removeprefix("torch.")
-        if not backend.reads_pool_in_place:
-            return ("deterministic steps need radixrt's C attention reading the KV pool: dtype=bfloat16 on a CPU "
-                    f"where radixrt's kernels build with a C compiler (this model: {dtype})")
+        if not backend.attends_segments:
+            return ("deterministic steps need radixrt's C attention reading the KV pool: a CPU where radixrt's "
+                    "kernels build with a C compiler, bfloat16 or float32, at most 16 query heads per KV head "
+                    "and heads of at most 256")
         if self._native:
             if self._stack is None:
                 return ("on native 4-bit weights deterministic steps need the whole-step C kernel: a plain "

@@ -117,6 +117,9 @@ class DecodeAttention:
             i32, i32, i32, ctypes.c_float, i32, pointer, pointer,  # Hq, Hkv, D, scale, num_threads, out, lse
         ]
         self._segments_fn.restype = i32
+        self._segments_f32_fn = library.radixrt_segment_attention_f32
+        self._segments_f32_fn.argtypes = self._segments_fn.argtypes
+        self._segments_f32_fn.restype = i32
         # Keys per piece of a segment's reduction (`kernels.segments.aligned_attention_segments`)
         self.chunk = int(library.radixrt_attention_chunk())
 
@@ -126,9 +129,11 @@ class DecodeAttention:
         lse: torch.Tensor | None, scale: float,
     ) -> None:
         """Attention of query rows over segments (starts, lens, row_ptr, rows: `kernels.segments`),
-        layouts as in `__call__`: each listed row of `out` (and `lse`) written once."""
+        layouts as in `__call__`: each listed row of `out` (and `lse`) written once. q, the pools
+        and out may also all be float32 (`supports_segments`)."""
         starts, lens, row_ptr, rows = segments
-        status = self._segments_fn(
+        fn = self._segments_f32_fn if q.dtype == torch.float32 else self._segments_fn
+        status = fn(
             q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_indices.data_ptr(),
             starts.numel(), starts.data_ptr(), lens.data_ptr(), row_ptr.data_ptr(), rows.data_ptr(),
             q.shape[1], k_pool.shape[1], q.shape[2], scale, _threads(), out.data_ptr(),
@@ -175,8 +180,14 @@ class DecodeAttention:
 
 def supports(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the kernel handles this attention shape and KV dtype."""
+    return dtype == torch.bfloat16 and supports_segments(num_q_heads, num_kv_heads, head_dim, dtype)
+
+
+def supports_segments(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether `DecodeAttention.segments` handles this shape and dtype: bf16, or float32 too
+    (deterministic mode's; float32 attention stays on SDPA otherwise)."""
     group = num_q_heads // num_kv_heads
-    return dtype == torch.bfloat16 and group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
+    return dtype in (torch.bfloat16, torch.float32) and group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
 
 
 class RMSNorm:

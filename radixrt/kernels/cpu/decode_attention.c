@@ -1,5 +1,5 @@
 /*
- * Decode attention over the paged KV pool, bf16, for the CPU.
+ * Decode attention over the paged KV pool, bf16 (or float32, for deterministic mode), for the CPU.
  *
  * Query rows attend keys where they sit in the pool (no gather copy, no
  * padding). The keys come as segments (kernels.h): runs of pool slots, each
@@ -32,6 +32,18 @@
 #define CHUNK 256
 #define PREFETCH_AHEAD 8
 
+/* Element `at` of a bf16 (f32 = 0) or float32 (f32 = 1) array, as float32 (exact). */
+static inline __attribute__((always_inline)) float load1(const void *base, int64_t at, int f32) {
+    return f32 ? ((const float *)base)[at] : bf16_to_float(((const uint16_t *)base)[at]);
+}
+
+/* Prefetch the head_dim elements from element `at` on. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t at, int head_dim, int f32) {
+    const int size = f32 ? 4 : 2;
+    const char *row = (const char *)base + at * size;
+    for (int line = 0; line < head_dim * size; line += 64) __builtin_prefetch(row + line);
+}
+
 /* Each of the `group` rows of scores (n of CHUNK used) becomes exp(score - its max); the max
  * and the sum of the exponentials are returned. */
 static inline void softmax_rows(float *scores, int64_t n, int group, float *max_out, float *sum_out) {
@@ -55,21 +67,19 @@ static inline void softmax_rows(float *scores, int64_t n, int group, float *max_
  * so the calls below with a literal head_dim get loops the compiler fully unrolls. */
 static inline __attribute__((always_inline)) void attend_chunk(
     const float *q, /* [G, D] float32, already scaled */
-    const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *slots,
+    const void *k_pool, const void *v_pool, const int64_t *slots,
     int64_t k0, int64_t k1, int h, int num_kv_heads, int head_dim, int group,
-    float *max_out, float *sum_out, float *acc /* [G, D] */
+    float *max_out, float *sum_out, float *acc /* [G, D] */, int f32
 ) {
     float scores[MAX_GROUP * CHUNK];
     int64_t n = k1 - k0;
     float kf[MAX_HEAD_DIM];
     for (int64_t j = 0; j < n; j++) {
-        const uint16_t *k = k_pool + (slots[k0 + j] * num_kv_heads + h) * head_dim;
-        if (j + PREFETCH_AHEAD < n) {  /* slots may be anywhere in the pool: hide the misses */
-            const uint16_t *next = k_pool + (slots[k0 + j + PREFETCH_AHEAD] * num_kv_heads + h) * head_dim;
-            for (int line = 0; line < head_dim * 2; line += 64) __builtin_prefetch((const char *)next + line);
-        }
+        const int64_t k = (slots[k0 + j] * num_kv_heads + h) * head_dim;
+        if (j + PREFETCH_AHEAD < n)  /* slots may be anywhere in the pool: hide the misses */
+            prefetch_row(k_pool, (slots[k0 + j + PREFETCH_AHEAD] * num_kv_heads + h) * head_dim, head_dim, f32);
         #pragma omp simd
-        for (int d = 0; d < head_dim; d++) kf[d] = bf16_to_float(k[d]);
+        for (int d = 0; d < head_dim; d++) kf[d] = load1(k_pool, k + d, f32);
         for (int g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
             float dot = 0.0f;
@@ -81,14 +91,12 @@ static inline __attribute__((always_inline)) void attend_chunk(
     softmax_rows(scores, n, group, max_out, sum_out);
     memset(acc, 0, sizeof(float) * group * head_dim);
     for (int64_t j = 0; j < n; j++) {
-        const uint16_t *v = v_pool + (slots[k0 + j] * num_kv_heads + h) * head_dim;
-        if (j + PREFETCH_AHEAD < n) {
-            const uint16_t *next = v_pool + (slots[k0 + j + PREFETCH_AHEAD] * num_kv_heads + h) * head_dim;
-            for (int line = 0; line < head_dim * 2; line += 64) __builtin_prefetch((const char *)next + line);
-        }
+        const int64_t v = (slots[k0 + j] * num_kv_heads + h) * head_dim;
+        if (j + PREFETCH_AHEAD < n)
+            prefetch_row(v_pool, (slots[k0 + j + PREFETCH_AHEAD] * num_kv_heads + h) * head_dim, head_dim, f32);
         float vf[MAX_HEAD_DIM];
         #pragma omp simd
-        for (int d = 0; d < head_dim; d++) vf[d] = bf16_to_float(v[d]);
+        for (int d = 0; d < head_dim; d++) vf[d] = load1(v_pool, v + d, f32);
         for (int g = 0; g < group; g++) {
             float p = scores[g * CHUNK + j];
             float *out = acc + g * head_dim;
@@ -101,9 +109,11 @@ static inline __attribute__((always_inline)) void attend_chunk(
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* 16 bf16 values as float32 (exact). */
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+/* 16 bf16 (f32 = 0) or float32 (f32 = 1) values from element `at` on, as float32 (exact). */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t at, int f32) {
+    if (f32) return _mm512_loadu_ps((const float *)base + at);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 /*
@@ -114,21 +124,19 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
  * lanes at the end.
  */
 static inline __attribute__((always_inline)) void attend_chunk_wide(
-    const float *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *slots,
+    const float *q, const void *k_pool, const void *v_pool, const int64_t *slots,
     int64_t k0, int64_t k1, int h, int num_kv_heads, int W, int VB, int group,
-    float *max_out, float *sum_out, float *acc
+    float *max_out, float *sum_out, float *acc, int f32
 ) {
     float scores[MAX_GROUP * CHUNK];
     const int head_dim = 16 * W;
     const int64_t n = k1 - k0;
     for (int64_t j = 0; j < n; j++) {
-        const uint16_t *k = k_pool + (slots[k0 + j] * num_kv_heads + h) * head_dim;
-        if (j + PREFETCH_AHEAD < n) {
-            const uint16_t *next = k_pool + (slots[k0 + j + PREFETCH_AHEAD] * num_kv_heads + h) * head_dim;
-            for (int line = 0; line < head_dim * 2; line += 64) __builtin_prefetch((const char *)next + line);
-        }
+        const int64_t k = (slots[k0 + j] * num_kv_heads + h) * head_dim;
+        if (j + PREFETCH_AHEAD < n)
+            prefetch_row(k_pool, (slots[k0 + j + PREFETCH_AHEAD] * num_kv_heads + h) * head_dim, head_dim, f32);
         __m512 kv[8];
-        _Pragma("GCC unroll 8") for (int i = 0; i < W; i++) kv[i] = load_bf16x16(k + 16 * i);
+        _Pragma("GCC unroll 8") for (int i = 0; i < W; i++) kv[i] = load16(k_pool, k + 16 * i, f32);
         for (int g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
             __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
@@ -143,13 +151,11 @@ static inline __attribute__((always_inline)) void attend_chunk_wide(
         _Pragma("GCC unroll 4") for (int b = 0; b < VB; b++)
             _Pragma("GCC unroll 8") for (int i = 0; i < W; i++) out[b][i] = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            const uint16_t *v = v_pool + (slots[k0 + j] * num_kv_heads + h) * head_dim;
-            if (g0 == 0 && j + PREFETCH_AHEAD < n) {
-                const uint16_t *next = v_pool + (slots[k0 + j + PREFETCH_AHEAD] * num_kv_heads + h) * head_dim;
-                for (int line = 0; line < head_dim * 2; line += 64) __builtin_prefetch((const char *)next + line);
-            }
+            const int64_t v = (slots[k0 + j] * num_kv_heads + h) * head_dim;
+            if (g0 == 0 && j + PREFETCH_AHEAD < n)
+                prefetch_row(v_pool, (slots[k0 + j + PREFETCH_AHEAD] * num_kv_heads + h) * head_dim, head_dim, f32);
             __m512 vv[8];
-            _Pragma("GCC unroll 8") for (int i = 0; i < W; i++) vv[i] = load_bf16x16(v + 16 * i);
+            _Pragma("GCC unroll 8") for (int i = 0; i < W; i++) vv[i] = load16(v_pool, v + 16 * i, f32);
             _Pragma("GCC unroll 4") for (int b = 0; b < VB; b++) {
                 if (b < nb) {
                     const __m512 p = _mm512_set1_ps(scores[(g0 + b) * CHUNK + j]);
@@ -264,9 +270,11 @@ fail:
     return NULL;
 }
 
-/* One item's partial results. */
-static void run_item(AttentionWork *w, int64_t item, const uint16_t *q, int64_t q_row_stride,
-                     const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *kv_indices, float scale) {
+/* One item's partial results, for bf16 (f32 = 0) or float32 (f32 = 1) data: inlined with a literal. */
+static inline __attribute__((always_inline)) void run_item_of(
+    AttentionWork *w, int64_t item, const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool,
+    const int64_t *kv_indices, float scale, int f32
+) {
     const Segments *seg = &w->seg;
     const int64_t *it = w->items + 4 * item;
     const int s = (int)it[0], h = (int)it[1];
@@ -275,8 +283,8 @@ static void run_item(AttentionWork *w, int64_t item, const uint16_t *q, int64_t 
     const int group = w->group, head_dim = seg->head_dim, vectors = nb * group;
     float qf[MAX_GROUP * MAX_HEAD_DIM];
     for (int b = 0; b < nb; b++) {
-        const uint16_t *qs = q + seg->rows[seg->row_ptr[s] + p0 + b] * q_row_stride + (int64_t)h * group * head_dim;
-        for (int i = 0; i < group * head_dim; i++) qf[b * group * head_dim + i] = bf16_to_float(qs[i]) * scale;
+        const int64_t qs = seg->rows[seg->row_ptr[s] + p0 + b] * q_row_stride + (int64_t)h * group * head_dim;
+        for (int i = 0; i < group * head_dim; i++) qf[b * group * head_dim + i] = load1(q, qs + i, f32) * scale;
     }
     const int64_t k0 = c * CHUNK, k1 = k0 + CHUNK < seg->lens[s] ? k0 + CHUNK : seg->lens[s];
     const int64_t *slots = kv_indices + seg->starts[s];
@@ -285,18 +293,24 @@ static void run_item(AttentionWork *w, int64_t item, const uint16_t *q, int64_t 
     const int hkv = seg->num_kv_heads;
     switch (head_dim) {
 #if defined(__AVX512F__)
-    case 64: attend_chunk_wide(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 4, 4, vectors, m, l, acc); break;
-    case 128: attend_chunk_wide(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 8, 2, vectors, m, l, acc); break;
+    case 64: attend_chunk_wide(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 4, 4, vectors, m, l, acc, f32); break;
+    case 128: attend_chunk_wide(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 8, 2, vectors, m, l, acc, f32); break;
 #else
-    case 64: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 64, vectors, m, l, acc); break;
-    case 128: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 128, vectors, m, l, acc); break;
+    case 64: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 64, vectors, m, l, acc, f32); break;
+    case 128: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 128, vectors, m, l, acc, f32); break;
 #endif
-    default: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, head_dim, vectors, m, l, acc);
+    default: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, head_dim, vectors, m, l, acc, f32);
     }
 }
 
+static void run_item(AttentionWork *w, int64_t item, const void *q, int64_t q_row_stride, const void *k_pool,
+                     const void *v_pool, const int64_t *kv_indices, float scale) {
+    if (w->seg.f32) run_item_of(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, 1);
+    else run_item_of(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, 0);
+}
+
 /* Row `row`, KV head h: its partials over its segments and their chunks, in order, merged. */
-static void merge_row(const AttentionWork *w, int64_t row, int h, uint16_t *out, float *lse) {
+static void merge_row(const AttentionWork *w, int64_t row, int h, void *out, float *lse) {
     const Segments *seg = &w->seg;
     const int head_dim = seg->head_dim;
     for (int g = 0; g < w->group; g++) {
@@ -323,16 +337,19 @@ static void merge_row(const AttentionWork *w, int64_t row, int h, uint16_t *out,
             }
         }
         int head = h * w->group + g;
-        uint16_t *o = out + (row * seg->num_q_heads + head) * head_dim;
+        const int64_t o = (row * seg->num_q_heads + head) * head_dim;
         float inv = 1.0f / total;
-        for (int d = 0; d < head_dim; d++) o[d] = float_to_bf16(merged[d] * inv);
+        if (seg->f32)
+            for (int d = 0; d < head_dim; d++) ((float *)out)[o + d] = merged[d] * inv;
+        else
+            for (int d = 0; d < head_dim; d++) ((uint16_t *)out)[o + d] = float_to_bf16(merged[d] * inv);
         if (lse) lse[row * seg->num_q_heads + head] = m + logf(total);
     }
 }
 
-void radixrt_attention_run(const Team *team, AttentionWork *w, atomic_long *next_item, const uint16_t *q,
-                           int64_t q_row_stride, const uint16_t *k_pool, const uint16_t *v_pool,
-                           const int64_t *kv_indices, float scale, uint16_t *out, float *lse) {
+void radixrt_attention_run(const Team *team, AttentionWork *w, atomic_long *next_item, const void *q,
+                           int64_t q_row_stride, const void *k_pool, const void *v_pool,
+                           const int64_t *kv_indices, float scale, void *out, float *lse) {
     for (long item; (item = atomic_fetch_add_explicit(next_item, 1, memory_order_relaxed)) < w->num_items;)
         run_item(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale);
     team_barrier(team);
@@ -342,6 +359,27 @@ void radixrt_attention_run(const Team *team, AttentionWork *w, atomic_long *next
     for (int64_t pair = first; pair < last; pair++)
         merge_row(w, w->merge_rows[pair / hkv], (int)(pair % hkv), out, lse);
     team_barrier(team);
+}
+
+static int segment_attention(
+    const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool,
+    const int64_t *kv_indices, int num_segments, const int64_t *starts, const int64_t *lens,
+    const int64_t *row_ptr, const int64_t *rows, int num_q_heads, int num_kv_heads, int head_dim, float scale,
+    int num_threads, void *out, float *lse, int f32
+) {
+    if (num_q_heads % num_kv_heads || num_q_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
+    Segments seg = {num_segments, starts, lens, row_ptr, rows, num_q_heads, num_kv_heads, head_dim, f32};
+    AttentionWork *work = radixrt_attention_work_new(&seg);
+    if (work == NULL) return -2;
+    SpinBarrier barrier = {0, 0};
+    atomic_long next_item = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
+        radixrt_attention_run(&team, work, &next_item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, out, lse);
+    }
+    radixrt_attention_work_free(work);
+    return 0;
 }
 
 /*
@@ -355,19 +393,19 @@ int radixrt_segment_attention_bf16(
     const int64_t *row_ptr, const int64_t *rows, int num_q_heads, int num_kv_heads, int head_dim, float scale,
     int num_threads, uint16_t *out, float *lse
 ) {
-    if (num_q_heads % num_kv_heads || num_q_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
-    Segments seg = {num_segments, starts, lens, row_ptr, rows, num_q_heads, num_kv_heads, head_dim};
-    AttentionWork *work = radixrt_attention_work_new(&seg);
-    if (work == NULL) return -2;
-    SpinBarrier barrier = {0, 0};
-    atomic_long next_item = 0;
-    #pragma omp parallel num_threads(num_threads)
-    {
-        Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
-        radixrt_attention_run(&team, work, &next_item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, out, lse);
-    }
-    radixrt_attention_work_free(work);
-    return 0;
+    return segment_attention(q, q_row_stride, k_pool, v_pool, kv_indices, num_segments, starts, lens, row_ptr, rows,
+                             num_q_heads, num_kv_heads, head_dim, scale, num_threads, out, lse, 0);
+}
+
+/* The same over float32 q, pools and out (deterministic mode in float32). */
+int radixrt_segment_attention_f32(
+    const float *q, int64_t q_row_stride, const float *k_pool, const float *v_pool,
+    const int64_t *kv_indices, int num_segments, const int64_t *starts, const int64_t *lens,
+    const int64_t *row_ptr, const int64_t *rows, int num_q_heads, int num_kv_heads, int head_dim, float scale,
+    int num_threads, float *out, float *lse
+) {
+    return segment_attention(q, q_row_stride, k_pool, v_pool, kv_indices, num_segments, starts, lens, row_ptr, rows,
+                             num_q_heads, num_kv_heads, head_dim, scale, num_threads, out, lse, 1);
 }
 
 /* Decode: sequence s's query row q_rows[s] over the slots kv_indices[kv_starts[s] ..][:kv_lens[s]]

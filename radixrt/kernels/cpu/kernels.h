@@ -104,6 +104,7 @@ typedef struct {
     int num_segments;
     const int64_t *starts, *lens, *row_ptr, *rows;
     int num_q_heads, num_kv_heads, head_dim;
+    int f32;  /* q, the pools and out hold float32; 0 (what an initializer leaves): bf16 */
 } Segments;
 
 typedef struct AttentionWork AttentionWork;  /* the split into work items and the partial results */
@@ -112,13 +113,14 @@ AttentionWork *radixrt_attention_work_new(const Segments *segments);  /* NULL wi
 void radixrt_attention_work_free(AttentionWork *work);
 
 /*
- * Called by every thread of a team (ends with a barrier): out[row] ([*, Hq, D] bf16) and, if lse
+ * Called by every thread of a team (ends with a barrier): out[row] ([*, Hq, D] bf16, or float32
+ * with segments.f32) and, if lse
  * is not NULL, lse[row] ([*, Hq] float32, natural log) for each listed row. q rows [*, Hq, D],
  * head stride D; pools [slots, Hkv, D]. next_item: zero, shared by the team; the work items
  * are taken from it in turn (the last chunk of each segment is shorter).
  */
-void radixrt_attention_run(const Team *team, AttentionWork *work, atomic_long *next_item, const uint16_t *q,
-                           int64_t q_row_stride, const uint16_t *k_pool, const uint16_t *v_pool,
-                           const int64_t *kv_indices, float scale, uint16_t *out, float *lse);
+void radixrt_attention_run(const Team *team, AttentionWork *work, atomic_long *next_item, const void *q,
+                           int64_t q_row_stride, const void *k_pool, const void *v_pool,
+                           const int64_t *kv_indices, float scale, void *out, float *lse);
 
 #endif
