@@ -1,9 +1,11 @@
 """Deterministic mode: every output bitwise the same however the requests were batched and cached.
 
-Three tiny models, one per deterministic path: a bf16 Llama on random 4-bit
-projections and a random 8-bit head (the whole-step kernel), and a dense
+Tiny models, one per deterministic path: a bf16 Llama on random 4-bit
+projections and a random 8-bit head (the whole-step kernel); a dense
 Qwen2-style model with q/k/v biases and 32-wide heads (the rowwise matmul
-and the C attention, layer by layer) in bf16 and in float32. Each runs the same prompts under
+and the C attention, layer by layer) in bf16 and in float32; a Gemma 3 with
+a 300-key window on one layer of two (windowed attention, Gemma's norms) and
+a float32 Mistral with a 100-key window. Each runs the same prompts under
 configurations that change batch composition, chunk boundaries, the
 shared-prefix split, page size, memory pressure and the cache; tokens and
 log-probabilities must be equal bit for bit. The same checks without
@@ -36,6 +38,7 @@ from radixrt.runtime import Runtime
 from tests.conftest import TINY_VOCAB, randomize_weights
 from tests.test_decode_stack import native_llama
 from tests.test_model import ours_from
+from tests.test_model_families import FAMILIES
 
 CHUNK = 256  # kernels/cpu/decode_attention.c's CHUNK: prompts here cross it
 
@@ -54,19 +57,44 @@ def dense_llama(dtype: torch.dtype) -> LlamaForCausalLM:
     return ours
 
 
-@pytest.fixture(scope="module", params=["native", "dense-bf16", "dense-float32"])
+def windowed(architecture: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    """A tiny dense model with sliding-window layers: Gemma 3 (a 300-key window on its first
+    layer of two, across a 256-key chunk) or Mistral (a 100-key window on every layer)."""
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    if architecture == "gemma3":
+        rope = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                "full_attention": dict(rope_type="linear", rope_theta=1e6, factor=2.0)}  # fmt: skip
+        config = transformers.Gemma3TextConfig(**common, query_pre_attn_scalar=24, sliding_window=300,
+                                               layer_types=["sliding_attention", "full_attention"],
+                                               rope_parameters=rope)  # fmt: skip
+        hf_model = transformers.Gemma3ForCausalLM(config)
+    else:
+        hf_model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=100))
+    randomize_weights(hf_model, seed=5)
+    ours = ours_from(hf_model).to(dtype)
+    ours.prepack()
+    return ours
+
+
+@pytest.fixture(scope="module",
+                params=["native", "dense-bf16", "dense-float32", "gemma3-window-bf16", "mistral-window-float32"])
 def model(request: pytest.FixtureRequest) -> LlamaForCausalLM:
     if cpu.decode_stack() is None or cpu.rowwise_matmul() is None:
         pytest.skip("no C compiler or no AVX512-BF16 on this CPU: deterministic mode needs radixrt's kernels")
+    dtype = torch.float32 if request.param.endswith("float32") else torch.bfloat16
     if request.param == "native":
         return native_llama(TINY_VOCAB, quantized_head=True)
-    return dense_llama(torch.float32 if request.param == "dense-float32" else torch.bfloat16)
+    if "window" in request.param:
+        return windowed(request.param.split("-")[0], dtype)
+    return dense_llama(dtype)
 
 
 @pytest.fixture(scope="module")
 def loaded(model: LlamaForCausalLM, tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     weights = "dense" if model._stack is None else "native"
-    name = f"tiny-{weights}-{str(model.dtype).removeprefix('torch.')}"
+    name = f"tiny-{model.config.architecture}-{weights}-{str(model.dtype).removeprefix('torch.')}"
     return LoadedModel(model=model, config=model.config, tokenizer=tiny_tokenizer, name=name,
                        path=Path(tmp_path_factory.mktemp(name)), weights=weights,
                        read_hf_config=lambda: None)  # fmt: skip
@@ -172,6 +200,27 @@ def test_without_deterministic_the_schedule_shows_in_the_logits(model):
     assert differences(model, sequences, steps, deterministic=True) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+@pytest.mark.parametrize("family", ["qwen3-bias-tied", "qwen2-window", "phi3-window", "phi3-longrope-partial",
+                                    "llama-llama3"])
+def test_each_family_gets_the_logits_it_gets_alone(family, dtype, make_tiny_hf_model):
+    """The other families' extras (q/k norms, per-layer windows, fused projections, partial and
+    scaled RoPE) at the model step: a prompt in chunks, then two sequences sharing it."""
+    if cpu.rowwise_matmul() is None:
+        pytest.skip("no C compiler or no AVX512-BF16 on this CPU: deterministic mode needs radixrt's kernels")
+    architecture, overrides = FAMILIES[family]
+    model = ours_from(make_tiny_hf_model(architecture, **overrides)).to(dtype)
+    model.prepack()
+    length = 100 if family == "phi3-longrope-partial" else 300  # within its trained positions
+    rng = random.Random(0)
+    shared = [rng.randrange(TINY_VOCAB) for _ in range(length)]
+    own_slots = torch.arange(length + 3, length + 5)
+    sequences = [Sequence(shared + [5, 6, 7], torch.arange(length + 3), length, True),
+                 Sequence(shared + [8, 9], torch.cat([torch.arange(length), own_slots]), length, False)]
+    steps = [[(0, 0, 37)], [(0, 37, length)], [(0, length, length + 3), (1, length, length + 2)]]
+    assert differences(model, sequences, steps, deterministic=True) == 0
+
+
 def test_aligned_segments_cut_every_row_at_whole_chunks_in_key_order():
     # two sequences sharing 600 cached slots, one decoding, one extending by 3
     slots = [torch.arange(601), torch.cat([torch.arange(600), torch.arange(601, 604)])]
@@ -192,6 +241,33 @@ def test_aligned_segments_cut_every_row_at_whole_chunks_in_key_order():
         assert keys[row] == expected, row
     # the two whole chunks of the shared prefix are read once for all four rows
     assert sum(length == CHUNK for length in lens) == 2 and all(len(r) == 4 for r, n in zip(rows, lens) if n == CHUNK)
+
+
+@settings(max_examples=40, deadline=None)
+@given(prefix_len=st.integers(0, 700), extend_len=st.integers(1, 300), window=st.sampled_from([None, 1, 100, 256, 300]),
+       chunk=st.sampled_from([16, 256]))
+def test_aligned_segments_give_each_row_its_window_in_chunk_pieces(prefix_len, extend_len, window, chunk):
+    """Each row's keys, windowed or not, are its positions lo..p exactly once, in key order, cut at
+    multiples of the chunk; a second sequence sharing the prefix reads the same pieces."""
+    slots = [torch.arange(prefix_len + extend_len),
+             torch.cat([torch.arange(prefix_len), torch.arange(5000, 5000 + extend_len)])]
+    tokens = [list(range(extend_len))] * 2
+    batch = ForwardBatch.build(tokens, [prefix_len, prefix_len], slots)
+    segments = aligned_attention_segments(batch, shared_prefix_min_tokens=8, chunk=chunk, sliding_window=window)
+    kv_indices = batch.kv_indices.tolist()
+    pieces: dict[int, list[list[int]]] = {}
+    for start, length, a, b in zip(segments.starts.tolist(), segments.lens.tolist(),
+                                   segments.row_ptr[:-1].tolist(), segments.row_ptr[1:].tolist()):
+        for row in segments.rows[a:b].tolist():
+            pieces.setdefault(row, []).append(kv_indices[start:start + length])
+    for s in range(2):
+        for j in range(extend_len):
+            p = prefix_len + j
+            lo = 0 if window is None else max(0, p + 1 - window)
+            row_pieces = pieces[s * extend_len + j]
+            assert [slot for piece in row_pieces for slot in piece] == slots[s][lo:p + 1].tolist()
+            cuts = [lo + sum(len(piece) for piece in row_pieces[:n]) for n in range(1, len(row_pieces))]
+            assert all(cut % chunk == 0 for cut in cuts) and all(len(piece) <= chunk for piece in row_pieces)
 
 
 # --- the whole runtime ------------------------------------------------------------------------------
@@ -282,9 +358,9 @@ def runner_over(model: LlamaForCausalLM, deterministic: bool | str) -> ModelRunn
 def test_deterministic_refuses_what_its_kernels_cannot_serve(tiny_llama_dir, make_tiny_hf_model):
     with pytest.raises(ValueError, match="deterministic must be True, False or 'auto'"):
         Runtime(tiny_llama_dir, deterministic="yes", max_total_tokens=256)
-    sliding = ours_from(make_tiny_hf_model("mistral", sliding_window=16)).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="deterministic=True: .*full causal attention only"):
-        runner_over(sliding, deterministic=True)
+    capped = ours_from(make_tiny_hf_model("gemma2", head_dim=32, attn_logit_softcapping=5.0)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="deterministic=True: .*soft-capped attention scores"):
+        runner_over(capped, deterministic=True)
     wide_groups = ours_from(make_tiny_hf_model(hidden_size=34 * 4, num_attention_heads=34, num_key_value_heads=2, head_dim=16))
     with pytest.raises(ValueError, match="deterministic=True: .*at most 16 query heads per KV head"):
         runner_over(wide_groups, deterministic=True)

@@ -80,16 +80,20 @@ def attention_segments(batch: ForwardBatch, shared_prefix_min_tokens: int) -> At
     return _as_tensors(starts, lens, rows)
 
 
-def aligned_attention_segments(batch: ForwardBatch, shared_prefix_min_tokens: int, chunk: int) -> AttentionSegments:
-    """Full causal attention of every new token of `batch`, each row's keys cut at whole `chunk`s.
+def aligned_attention_segments(
+    batch: ForwardBatch, shared_prefix_min_tokens: int, chunk: int, sliding_window: int | None = None
+) -> AttentionSegments:
+    """Causal attention of every new token of `batch`, each row's keys cut at whole `chunk`s.
 
-    A token at position p attends keys [0, p]: the whole chunks [k * chunk,
-    (k + 1) * chunk) below p + 1, then the rest [K * chunk, p + 1). Each is a
-    segment no longer than the kernel's chunk (so it is reduced as one
-    piece), listed in key order (so it is merged in that order), and its
-    arithmetic depends on the row's own position and keys alone. A whole
-    chunk inside a prefix several sequences share is one segment for all
-    their rows that see it, read once, as in `attention_segments`.
+    A token at position p attends keys [lo, p], lo = 0 (or p - sliding_window + 1
+    with a window): cut at the multiples of `chunk`, that is a partial first
+    piece up to the next multiple when lo is not one, whole chunks
+    [k * chunk, (k + 1) * chunk), and the rest up to p. Each piece is a segment
+    no longer than the kernel's chunk (so it is reduced as one piece), listed in
+    key order (so it is merged in that order), and its arithmetic depends on
+    the row's own position and keys alone. A whole chunk inside a prefix
+    several sequences share is one segment for all their rows that see it,
+    read once, as in `attention_segments`.
     """
     kv_starts = batch.kv_indptr[:-1].tolist()
     q_starts = batch.qo_indptr[:-1].tolist()
@@ -100,17 +104,25 @@ def aligned_attention_segments(batch: ForwardBatch, shared_prefix_min_tokens: in
                 shared_chunks[member] = (prefix.members[0], prefix.length // chunk)
     # (chunk index, start in kv_indices, length) -> rows; dicts keep the order segments were first met
     segments: dict[tuple[int, int, int], list[int]] = {}
+    window = sliding_window
     for i, (prefix_len, extend_len) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
         owner, num_shared = shared_chunks.get(i, (i, 0))
+        row0 = q_starts[i] - prefix_len  # the row of position p is row0 + p
         for k in range((prefix_len + extend_len) // chunk):
-            first = max(0, (k + 1) * chunk - 1 - prefix_len)  # the first new token that sees all of chunk k
-            start = kv_starts[owner if k < num_shared else i] + k * chunk
-            segments.setdefault((k, start, chunk), []).extend(range(q_starts[i] + first, q_starts[i] + extend_len))
-        for j in range(extend_len):
-            keys = prefix_len + j + 1
-            if keys % chunk:
-                k = keys // chunk
-                segments.setdefault((k, kv_starts[i] + k * chunk, keys % chunk), []).append(q_starts[i] + j)
+            # positions that see all of chunk k: from its last key on, and (window) while its first is in sight
+            first = max(prefix_len, (k + 1) * chunk - 1)
+            last = prefix_len + extend_len if window is None else min(prefix_len + extend_len, k * chunk + window)
+            if first < last:
+                start = kv_starts[owner if k < num_shared else i] + k * chunk
+                segments.setdefault((k, start, chunk), []).extend(range(row0 + first, row0 + last))
+        for p in range(prefix_len, prefix_len + extend_len):
+            lo = 0 if window is None else max(0, p + 1 - window)
+            head_end = min(p + 1, -(-lo // chunk) * chunk)  # lo up to the next whole chunk (or p)
+            if lo < head_end:
+                segments.setdefault((lo // chunk, kv_starts[i] + lo, head_end - lo), []).append(row0 + p)
+            tail = (p + 1) // chunk * chunk
+            if tail >= head_end and tail < p + 1:
+                segments.setdefault((tail // chunk, kv_starts[i] + tail, p + 1 - tail), []).append(row0 + p)
     ordered = sorted(segments.items(), key=lambda item: item[0][0])  # stable: key order within every row
     return _as_tensors([start for (_, start, _), _ in ordered], [length for (_, _, length), _ in ordered],
                        [segment_rows for _, segment_rows in ordered])

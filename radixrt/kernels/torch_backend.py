@@ -148,9 +148,9 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
 
     def plan_segments(self, segments: AttentionSegments, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:
         """A plan that attends every row of the batch through the C kernel as `segments` say
-        (full causal attention, no soft-cap; needs `attends_segments`)."""
-        if self._segment_kernel is None or attention.sliding_window is not None or attention.logit_softcap is not None:
-            raise ValueError("segment plans need the C attention kernel and full causal attention without a soft-cap")
+        (they carry the causal mask and any window; no soft-cap; needs `attends_segments`)."""
+        if self._segment_kernel is None or attention.logit_softcap is not None:
+            raise ValueError("segment plans need the C attention kernel and attention without a soft-cap")
         return TorchAttentionPlan((), (), attention, segments)
 
     def plan(self, batch: ForwardBatch, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:

@@ -361,8 +361,9 @@ class LlamaForCausalLM(nn.Module):
         instructions whatever the step holds), and they run on the CPU: on native 4-bit
         weights the whole-stack kernel (a Llama without extras, the file's own quantized LM
         head); on dense bf16 or float32 weights the rowwise matmul and the C attention
-        reading the pool, for full causal attention (RMSNorm: radixrt's in bf16, torch's in
-        float32, whose rows are reduced alone: measured, and the tests check it).
+        reading the pool, full or in a sliding window, without a score cap (RMSNorm:
+        radixrt's in bf16, torch's in float32 and Gemma's, whose rows are reduced alone:
+        measured, and the tests check it).
         """
         if not isinstance(backend, TorchAttentionBackend):
             return (f"the {backend.name} attention backend is not batch-invariant; deterministic steps run "
@@ -381,10 +382,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if cpu.rowwise_matmul() is None:
             return "deterministic steps on dense weights need radixrt's rowwise matmul: a CPU with AVX512-BF16"
-        if self.config.is_gemma:
-            return "deterministic steps do not cover Gemma's norms and soft-capping yet"
-        if any(kind.sliding_window is not None or kind.logit_softcap is not None for kind in self._attention_kinds):
-            return "deterministic steps cover full causal attention only (this model has sliding-window layers)"
+        if any(kind.logit_softcap is not None for kind in self._attention_kinds):
+            return "deterministic steps do not cover soft-capped attention scores (Gemma 2) yet"
         return None
 
     def prepare_deterministic(self) -> None:
@@ -405,11 +404,14 @@ class LlamaForCausalLM(nn.Module):
         check `deterministic_problem` first), its `StackedStep`."""
         if deterministic:
             assert isinstance(backend, TorchAttentionBackend)
-            chunked = aligned_attention_segments(batch, backend.shared_prefix_min_tokens, backend.attention_chunk)
+            min_shared, chunk = backend.shared_prefix_min_tokens, backend.attention_chunk
+            windows = {kind.sliding_window for kind in self._attention_kinds}
+            chunked = {w: aligned_attention_segments(batch, min_shared, chunk, w) for w in windows}
             if self._stack is None:
-                return {kind: backend.plan_segments(chunked, kind) for kind in self._attention_kinds}
+                return {kind: backend.plan_segments(chunked[kind.sliding_window], kind)
+                        for kind in self._attention_kinds}
             (attention,) = self._attention_kinds
-            return StackedStep(chunked, backend.softmax_scale(attention))
+            return StackedStep(chunked[None], backend.softmax_scale(attention))
         if (self._stack is not None and batch.num_tokens <= STACK_MAX_ROWS
                 and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place):
             (attention,) = self._attention_kinds
