@@ -12,7 +12,8 @@ times each configuration (wall seconds, one run each: a rough cost, the
 suite measures it properly).
 
 Not a test: nothing is asserted.
-Run: python bench/determinism_bench.py [--model FOLDER_OR_GGUF] [--prompts 24] [--new-tokens 24]
+Run: python bench/determinism_bench.py [--model FOLDER_OR_GGUF] [--dtype bfloat16|float32] [--prompts 24]
+                                       [--new-tokens 24]
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ def ledger_prompts(count: int, seed: int) -> list[str]:
     return [preamble + q for q in questions]
 
 
-def run(model: str | None, prompts: list[str], options: dict[str, Any], submit: str, new_tokens: int,
+def run(model: str | None, dtype: str, prompts: list[str], options: dict[str, Any], submit: str, new_tokens: int,
         deterministic: bool) -> tuple[list[list[int]], float]:
     params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
     order = list(range(len(prompts)))
     if submit == "shuffled":
         random.Random(1).shuffle(order)
-    with Runtime(model, dtype="bfloat16", deterministic=deterministic, **options) as runtime:
+    with Runtime(model, dtype=dtype, deterministic=deterministic, **options) as runtime:
         start = time.perf_counter()
         if submit == "one by one":
             answers = [runtime.generate(prompts[i], params) for i in order]
@@ -77,6 +78,7 @@ def run(model: str | None, prompts: list[str], options: dict[str, Any], submit: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a Hugging Face folder or .gguf file (default: bundled)")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
@@ -88,7 +90,7 @@ def main() -> int:
         mode = "deterministic" if deterministic else "default"
         results = []
         for name, options, submit in CONFIGURATIONS:
-            outputs, seconds = run(args.model, prompts, options, submit, args.new_tokens, deterministic)
+            outputs, seconds = run(args.model, args.dtype, prompts, options, submit, args.new_tokens, deterministic)
             results.append(outputs)
             same = sum(a == b for a, b in zip(outputs, results[0]))
             print(f"| {mode} | {name} | {same}/{len(prompts)} | {seconds:.1f} |", flush=True)
