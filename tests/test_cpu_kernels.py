@@ -180,7 +180,7 @@ def test_row_stats_are_torchs_argmax_and_logsumexp(rows, cols, ties, seed):
 def rowwise() -> cpu.RowwiseMatmul:
     built = cpu.rowwise_matmul()
     if built is None:
-        pytest.skip("the rowwise matmul needs AVX512-BF16")
+        pytest.skip("no C compiler")
     return built
 
 

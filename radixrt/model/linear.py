@@ -56,8 +56,8 @@ def rowwise(weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: b
     promises. Over the live parameters; float32 results with `float_out` (an LM head)."""
     kernel = cpu.rowwise_matmul() if weight.device.type == "cpu" else None
     if kernel is None or not kernel.supports(weight.dtype):
-        raise ValueError(f"no batch-invariant matmul for {weight.dtype} on {weight.device}: it needs a CPU with "
-                         "AVX512-BF16 and a C compiler, and bfloat16 or float32 weights")
+        raise ValueError(f"no batch-invariant matmul for {weight.dtype} on {weight.device}: it needs the CPU, "
+                         "a C compiler, and bfloat16 or float32 weights")
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         out = kernel(_rows(x, weight.shape[1]), weight, bias, float_out)

@@ -381,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
                 return "deterministic steps need the GGUF file's LM head stored as Q4_0, Q4_1 or Q8_0"
             return None
         if cpu.rowwise_matmul() is None:
-            return "deterministic steps on dense weights need radixrt's rowwise matmul: a CPU with AVX512-BF16"
+            return "deterministic steps on dense weights need radixrt's rowwise matmul: a C compiler"
         if any(kind.logit_softcap is not None for kind in self._attention_kinds):
             return "deterministic steps do not cover soft-capped attention scores (Gemma 2) yet"
         return None

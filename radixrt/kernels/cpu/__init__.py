@@ -30,7 +30,7 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
     rowwise_matmul.c    a dense matmul whose every output is reduced in one
                         fixed order whatever the batch: library GEMMs change
                         a row's rounding with the number of rows (deterministic
-                        mode, AVX512-BF16 CPUs).
+                        mode; AVX512-BF16 tiles, portable C elsewhere).
 
 The sources are compiled together with `-march=native` for this machine,
 cached under `cache_root()/kernels`, and loaded with ctypes (no torch
@@ -517,7 +517,8 @@ def quantized_matmul() -> QuantizedMatmul | None:
 
 
 def rowwise_matmul() -> RowwiseMatmul | None:
-    """The compiled batch-invariant dense matmul; None where it cannot be built or the CPU lacks AVX512-BF16."""
+    """The compiled batch-invariant dense matmul (AVX512-BF16 tiles, or portable C elsewhere);
+    None where the kernels cannot be built."""
     library = _load()
     return None if library is None or not library.radixrt_rowwise_matmul_available() else RowwiseMatmul(library)
 

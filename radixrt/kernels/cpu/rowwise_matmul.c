@@ -20,17 +20,20 @@
  * columns. Threads take blocks of weight rows (a block stays in the
  * cache while every row of x passes over it); no output is split between
  * threads.
+ *
+ * Without AVX512-BF16 a portable tile does the same in plain C: 16 float32
+ * lane sums over K, lane l taking inputs k = l mod 16, then the same tree.
+ * It is slower and rounds differently from the AVX-512 one (bf16 products
+ * are added one at a time, not in pairs), but it too rounds each output the
+ * same way whatever the batch: a machine gets one of the two.
  */
+#include <omp.h>
 #include <stdint.h>
 
 #include "scalar.h"
 
 #define TILE_M 4
 #define TILE_N 4
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#include <immintrin.h>
-#include <omp.h>
 
 int radixrt_rowwise_matmul_available(void) { return 1; }
 
@@ -50,6 +53,9 @@ static inline void store(const Matmul *a, int bf16, int64_t row, int64_t col, fl
     else if (bf16) ((uint16_t *)a->out)[row * a->n + col] = float_to_bf16(value);
     else ((float *)a->out)[row * a->n + col] = value;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
 
 /*
  * The lane sums of 16 vectors in one vector, each added in the order _mm512_reduce_add_ps adds
@@ -158,6 +164,38 @@ static void block(const Matmul *a, int bf16, int64_t n0, int64_t n1) {
     }
 }
 
+#else
+
+#define LANES 16
+
+static inline float input(const void *p, int64_t at, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[at]) : ((const float *)p)[at];
+}
+
+/* One output: lane l sums the products at k = l mod 16, in k order; then the lanes' tree. */
+static float dot(const void *x, const void *w, int64_t k, int bf16) {
+    float lanes[LANES] = {0};
+    int64_t k0 = 0;
+    for (; k0 + LANES <= k; k0 += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] += input(x, k0 + l, bf16) * input(w, k0 + l, bf16);
+    for (int l = 0; k0 + l < k; l++) lanes[l] += input(x, k0 + l, bf16) * input(w, k0 + l, bf16);
+    float half[8], quarter[4];
+    for (int l = 0; l < 8; l++) half[l] = lanes[l] + lanes[l + 8];
+    for (int l = 0; l < 4; l++) quarter[l] = half[l] + half[l + 4];
+    return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+static void block(const Matmul *a, int bf16, int64_t n0, int64_t n1) {
+    const int size = bf16 ? 2 : 4;
+    for (int64_t row = 0; row < a->m; row++) {
+        const char *x = (const char *)a->x + row * a->x_stride * size;
+        for (int64_t col = n0; col < n1; col++)
+            store(a, bf16, row, col, dot(x, (const char *)a->w + col * a->k * size, a->k, bf16));
+    }
+}
+
+#endif
+
 static void run(const Matmul *a, int bf16, int num_threads) {
     /* Few rows read each weight once (memory-bound): small blocks keep both threads busy. */
     const int64_t rows_per_block = a->m <= 16 ? 16 : 64;
@@ -181,19 +219,3 @@ void radixrt_rowwise_matmul_f32(const float *x, int64_t x_stride, int64_t m, int
     run(&a, 0, num_threads);
 }
 
-#else
-
-int radixrt_rowwise_matmul_available(void) { return 0; }
-
-void radixrt_rowwise_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *w,
-                                 int64_t n, const uint16_t *bias, void *out, int out_f32, int num_threads) {
-    (void)x; (void)x_stride; (void)m; (void)k; (void)w; (void)n; (void)bias; (void)out; (void)out_f32;
-    (void)num_threads;
-}
-
-void radixrt_rowwise_matmul_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *w, int64_t n,
-                                const float *bias, float *out, int num_threads) {
-    (void)x; (void)x_stride; (void)m; (void)k; (void)w; (void)n; (void)bias; (void)out; (void)num_threads;
-}
-
-#endif
