@@ -69,10 +69,11 @@ def rowwise(weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: b
 def on_first_call(make: Callable[[], Linear]) -> Linear:
     """The linear `make()` builds, built when it is first called.
 
-    For a copy of the weights that only some steps need: with native weights,
-    the dense bf16 projections serve only steps the 4-bit kernels leave to
-    them, which deterministic mode never does, so a start does not read,
-    convert and prepack 270 MB for them up front.
+    For a copy of the weights that only some steps need: oneDNN's packed
+    copies serve only default-mode steps (deterministic ones read the weights
+    as loaded), and with native weights the dense bf16 projections serve only
+    steps the 4-bit kernels leave to them, which deterministic mode never
+    does; a start does not build them up front.
     """
     built: list[Linear] = []
 

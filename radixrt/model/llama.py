@@ -84,6 +84,10 @@ def _dense_from_codes(weight: Int4Weight, dense: torch.Tensor, bias: torch.Tenso
     return linear.pack(dense, bias)
 
 
+def _packed_on_first_call(weight: torch.Tensor, bias: torch.Tensor | None = None) -> linear.Linear:
+    return linear.on_first_call(lambda: linear.pack(weight, bias))
+
+
 def _torch_rms_norm(
     hidden: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -149,8 +153,9 @@ class LlamaDecoderLayer(nn.Module):
         self.down = make(self.down_proj)
 
     def prepack(self) -> None:
-        """Reorder the loaded weights for the platform's matmul (see `radixrt.model.linear`)."""
-        self._bind_linears(linear.pack)
+        """Reorder the loaded weights for the platform's matmul (see `radixrt.model.linear`), the first
+        time a step multiplies by them (`LlamaForCausalLM.prepack` says why)."""
+        self._bind_linears(_packed_on_first_call)
 
     def use_rowwise(self) -> None:
         """Build the batch-invariant projections deterministic steps use (`linear.rowwise`)."""
@@ -295,16 +300,16 @@ class LlamaForCausalLM(nn.Module):
         self._invariant_lm_head: linear.Linear | None = None
 
     def prepack(self, projections: bool = True) -> None:
-        """Call once the weights are loaded: faster projections, identical results. `projections`
-        False (native weights, their dense copies not loaded): the LM head is packed on first use,
-        the projections by `use_int4_projections`."""
+        """Call once the weights are loaded: faster projections, identical results, each packed the
+        first time a step needs it. Deterministic steps never do (`linear.rowwise` reads the weights
+        as loaded), so a deterministic runtime holds one copy of the dense weights, not two.
+        `projections` False (native weights, their dense copies not loaded): only the LM head; the
+        projections are `use_int4_projections`'s business."""
         if projections:
             for layer in self.layers:
                 assert isinstance(layer, LlamaDecoderLayer)
                 layer.prepack()
-            self._lm_head = linear.pack(self.lm_head)
-        else:
-            self._lm_head = linear.on_first_call(lambda: linear.pack(self.lm_head))
+        self._lm_head = _packed_on_first_call(self.lm_head)
 
     def use_int4_projections(self, native: NativeWeights, dense_loaded: bool = True) -> None:
         """Multiply by 4-bit weights (`gguf_int4.load_projections`) in steps of few tokens.
