@@ -197,8 +197,9 @@ static void block(const Matmul *a, int bf16, int64_t n0, int64_t n1) {
 #endif
 
 static void run(const Matmul *a, int bf16, int num_threads) {
-    /* Few rows read each weight once (memory-bound): small blocks keep both threads busy. */
-    const int64_t rows_per_block = a->m <= 16 ? 16 : 64;
+    /* Few rows read each weight once (memory-bound): small blocks keep both threads busy. Many:
+     * 32 weight rows a block ran 4-10% faster than 64 at 128-512 rows (K = 576, 1536). */
+    const int64_t rows_per_block = a->m <= 16 ? 16 : 32;
     const int64_t blocks = (a->n + rows_per_block - 1) / rows_per_block;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
