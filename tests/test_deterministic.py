@@ -43,6 +43,13 @@ from tests.test_model_families import FAMILIES
 CHUNK = 256  # kernels/cpu/decode_attention.c's CHUNK: prompts here cross it
 
 
+def prepacked(hf_model: transformers.PreTrainedModel, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Our model on `hf_model`'s weights in `dtype`, packed as the loader packs it."""
+    ours = ours_from(hf_model).to(dtype)
+    ours.prepack()
+    return ours
+
+
 def dense_llama(dtype: torch.dtype) -> LlamaForCausalLM:
     """A tiny dense model with q/k/v biases and 32-wide heads (Qwen2's layout)."""
     config = transformers.Qwen2Config(
@@ -52,9 +59,7 @@ def dense_llama(dtype: torch.dtype) -> LlamaForCausalLM:
     )  # fmt: skip
     hf_model = transformers.Qwen2ForCausalLM(config)
     randomize_weights(hf_model, seed=3)
-    ours = ours_from(hf_model).to(dtype)
-    ours.prepack()
-    return ours
+    return prepacked(hf_model, dtype)
 
 
 def windowed(architecture: str, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -73,9 +78,7 @@ def windowed(architecture: str, dtype: torch.dtype) -> LlamaForCausalLM:
     else:
         hf_model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=100))
     randomize_weights(hf_model, seed=5)
-    ours = ours_from(hf_model).to(dtype)
-    ours.prepack()
-    return ours
+    return prepacked(hf_model, dtype)
 
 
 @pytest.fixture(scope="module",
@@ -211,8 +214,7 @@ def test_each_family_gets_the_logits_it_gets_alone(family, dtype, make_tiny_hf_m
     if cpu.rowwise_matmul() is None:
         pytest.skip("no C compiler: deterministic mode needs radixrt's kernels")
     architecture, overrides = FAMILIES[family]
-    model = ours_from(make_tiny_hf_model(architecture, **overrides)).to(dtype)
-    model.prepack()
+    model = prepacked(make_tiny_hf_model(architecture, **overrides), dtype)
     length = 100 if family == "phi3-longrope-partial" else 300  # within its trained positions
     rng = random.Random(0)
     shared = [rng.randrange(TINY_VOCAB) for _ in range(length)]

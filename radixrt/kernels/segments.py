@@ -104,19 +104,20 @@ def aligned_attention_segments(
                 shared_chunks[member] = (prefix.members[0], prefix.length // chunk)
     # (chunk index, start in kv_indices, length) -> rows; dicts keep the order segments were first met
     segments: dict[tuple[int, int, int], list[int]] = {}
-    window = sliding_window
     for i, (prefix_len, extend_len) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
         owner, num_shared = shared_chunks.get(i, (i, 0))
         row0 = q_starts[i] - prefix_len  # the row of position p is row0 + p
         for k in range((prefix_len + extend_len) // chunk):
             # positions that see all of chunk k: from its last key on, and (window) while its first is in sight
             first = max(prefix_len, (k + 1) * chunk - 1)
-            last = prefix_len + extend_len if window is None else min(prefix_len + extend_len, k * chunk + window)
+            last = prefix_len + extend_len
+            if sliding_window is not None:
+                last = min(last, k * chunk + sliding_window)
             if first < last:
                 start = kv_starts[owner if k < num_shared else i] + k * chunk
                 segments.setdefault((k, start, chunk), []).extend(range(row0 + first, row0 + last))
         for p in range(prefix_len, prefix_len + extend_len):
-            lo = 0 if window is None else max(0, p + 1 - window)
+            lo = 0 if sliding_window is None else max(0, p + 1 - sliding_window)
             head_end = min(p + 1, -(-lo // chunk) * chunk)  # lo up to the next whole chunk (or p)
             if lo < head_end:
                 segments.setdefault((lo // chunk, kv_starts[i] + lo, head_end - lo), []).append(row0 + p)

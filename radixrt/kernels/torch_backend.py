@@ -125,9 +125,9 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         shape = self.kv_cache.shape
         heads = (self.num_q_heads, self.num_kv_heads, self.head_dim, shape.dtype)
         on_cpu = self.kv_cache.device.type == "cpu"
-        self._decode_kernel = cpu.decode_attention() if on_cpu and cpu.supports(*heads) else None
-        # deterministic steps' attention: the same kernel, which also reads float32 pools
+        # deterministic steps' attention; the default path's decodes use it in bf16 only
         self._segment_kernel = cpu.decode_attention() if on_cpu and cpu.supports_segments(*heads) else None
+        self._decode_kernel = self._segment_kernel if cpu.supports(*heads) else None
 
     @property
     def reads_pool_in_place(self) -> bool:

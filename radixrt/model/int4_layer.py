@@ -115,11 +115,6 @@ class Int4DecodeStack:
             (segments.starts, segments.lens, segments.row_ptr, segments.rows),
         )  # fmt: skip
 
-    @property
-    def attention_chunk(self) -> int:
-        """The keys the kernel's attention reduces as one piece."""
-        return self._kernel.attention_chunk
-
     def _pool_addresses(self, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         if self._pools is None or self._pools[0]() is not kv_cache:
             k = torch.tensor([pool.data_ptr() for pool in kv_cache.k], dtype=torch.int64)

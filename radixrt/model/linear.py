@@ -58,9 +58,10 @@ def rowwise(weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: b
     if kernel is None or not kernel.supports(weight.dtype):
         raise ValueError(f"no batch-invariant matmul for {weight.dtype} on {weight.device}: it needs the CPU, "
                          "a C compiler, and bfloat16 or float32 weights")
+    kernel.check_weight(weight, bias)  # once: a step calls this ~4 times a layer
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        out = kernel(_rows(x, weight.shape[1]), weight, bias, float_out)
+        out = kernel.multiply(_rows(x, weight.shape[1]), weight, bias, float_out)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     return linear

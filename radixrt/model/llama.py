@@ -146,11 +146,15 @@ class LlamaDecoderLayer(nn.Module):
         # (qkv, o, gate_up, down) for deterministic steps (`use_rowwise`)
         self.rowwise: tuple[linear.Linear, linear.Linear, linear.Linear, linear.Linear] | None = None
 
+    def _projections(
+        self, make: Callable[..., linear.Linear]
+    ) -> tuple[linear.Linear, linear.Linear, linear.Linear, linear.Linear]:
+        """(qkv, o, gate_up, down), each `make(weight, bias)` over the layer's parameters."""
+        return (make(self.qkv_proj, self.qkv_bias), make(self.o_proj, self.o_bias), make(self.gate_up_proj),
+                make(self.down_proj))
+
     def _bind_linears(self, make: Callable[..., linear.Linear]) -> None:
-        self.qkv = make(self.qkv_proj, self.qkv_bias)
-        self.o = make(self.o_proj, self.o_bias)
-        self.gate_up = make(self.gate_up_proj)
-        self.down = make(self.down_proj)
+        self.qkv, self.o, self.gate_up, self.down = self._projections(make)
 
     def prepack(self) -> None:
         """Reorder the loaded weights for the platform's matmul (see `radixrt.model.linear`), the first
@@ -159,8 +163,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def use_rowwise(self) -> None:
         """Build the batch-invariant projections deterministic steps use (`linear.rowwise`)."""
-        self.rowwise = (linear.rowwise(self.qkv_proj, self.qkv_bias), linear.rowwise(self.o_proj, self.o_bias),
-                        linear.rowwise(self.gate_up_proj), linear.rowwise(self.down_proj))
+        self.rowwise = self._projections(linear.rowwise)
 
     def use_int4(self, weights: dict[str, Int4Weight], dense_loaded: bool = True) -> None:
         """Multiply by 4-bit weights in small steps. `dense_loaded` False: the dense projections were

@@ -110,16 +110,14 @@ class DecodeAttention:
             pointer, pointer,  # out, lse
         ]
         self._fn.restype = i32
-        self._segments_fn = library.radixrt_segment_attention_bf16
+        self._segments_fn = library.radixrt_segment_attention
         self._segments_fn.argtypes = [
             pointer, i64, pointer, pointer, pointer,  # q, q_row_stride, k_pool, v_pool, kv_indices
             i32, pointer, pointer, pointer, pointer,  # segments: count, starts, lens, row_ptr, rows
             i32, i32, i32, ctypes.c_float, i32, pointer, pointer,  # Hq, Hkv, D, scale, num_threads, out, lse
+            i32,  # 1: q, pools and out float32; 0: bf16
         ]
         self._segments_fn.restype = i32
-        self._segments_f32_fn = library.radixrt_segment_attention_f32
-        self._segments_f32_fn.argtypes = self._segments_fn.argtypes
-        self._segments_f32_fn.restype = i32
         # Keys per piece of a segment's reduction (`kernels.segments.aligned_attention_segments`)
         self.chunk = int(library.radixrt_attention_chunk())
 
@@ -132,12 +130,11 @@ class DecodeAttention:
         layouts as in `__call__`: each listed row of `out` (and `lse`) written once. q, the pools
         and out may also all be float32 (`supports_segments`)."""
         starts, lens, row_ptr, rows = segments
-        fn = self._segments_f32_fn if q.dtype == torch.float32 else self._segments_fn
-        status = fn(
+        status = self._segments_fn(
             q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_indices.data_ptr(),
             starts.numel(), starts.data_ptr(), lens.data_ptr(), row_ptr.data_ptr(), rows.data_ptr(),
             q.shape[1], k_pool.shape[1], q.shape[2], scale, _threads(), out.data_ptr(),
-            0 if lse is None else lse.data_ptr(),
+            0 if lse is None else lse.data_ptr(), int(q.dtype == torch.float32),
         )  # fmt: skip
         self._check(status, q, k_pool)
 
@@ -305,18 +302,34 @@ class RowwiseMatmul:
     def supports(dtype: torch.dtype) -> bool:
         return dtype in (torch.bfloat16, torch.float32)
 
+    def check_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """ValueError unless `weight` [N, K] and `bias` [N] are contiguous, bf16 or float32, of one dtype."""
+        if weight.dim() != 2 or not self.supports(weight.dtype) or (bias is not None and bias.dtype != weight.dtype):
+            raise ValueError(f"rowwise matmul: weight {tuple(weight.shape)} {weight.dtype}: need [N, K] of one "
+                             "dtype with its bias, bfloat16 or float32")
+        if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+            raise ValueError("rowwise matmul: weight and bias must be contiguous")
+
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False
     ) -> torch.Tensor:
         """[M, N]: rows `x` [M, K] (unit stride along K) times `weight` [N, K] (contiguous) and
         `bias` [N], all of one dtype; in that dtype, or float32 with `float_out`."""
-        rows, num_cols = x.shape
-        num_out = weight.shape[0]
-        if weight.shape[1] != num_cols or x.dtype != weight.dtype or not self.supports(weight.dtype):
+        if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
             raise ValueError(f"rowwise matmul: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
                              f"{weight.dtype}: need [M, K] and [N, K] of one dtype, bfloat16 or float32")
-        if x.stride(1) != 1 or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        if x.stride(1) != 1:
             raise ValueError("rowwise matmul: x needs unit stride along K, weight and bias contiguous")
+        self.check_weight(weight, bias)
+        return self.multiply(x, weight, bias, float_out)
+
+    def multiply(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False
+    ) -> torch.Tensor:
+        """`__call__` without its checks, for a caller that made them (`linear.rowwise`: the weight
+        once, the rows by construction): the kernel trusts its arguments."""
+        rows, num_cols = x.shape
+        num_out = weight.shape[0]
         bias_ptr = 0 if bias is None else bias.data_ptr()
         if weight.dtype == torch.float32:
             out = torch.empty(rows, num_out, dtype=torch.float32)
@@ -389,8 +402,6 @@ class DecodeStack:
 
     def __init__(self, library: ctypes.CDLL):
         self._fn = library.radixrt_int4_decode_stack_bf16
-        # the keys attention reduces as one piece (`segments.aligned_attention_segments`)
-        self.attention_chunk = int(library.radixrt_attention_chunk())
         pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self._fn.argtypes = [
             pointer, i64, i64, i32, pointer,  # hidden, rows, dim, num_layers, layer weights

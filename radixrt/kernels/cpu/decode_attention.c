@@ -361,7 +361,13 @@ void radixrt_attention_run(const Team *team, AttentionWork *w, atomic_long *next
     team_barrier(team);
 }
 
-static int segment_attention(
+/*
+ * Attention of the query rows over the segments (kernels.h), written to the same rows of out
+ * (and lse); q, the pools and out are bf16, or float32 with f32 = 1 (deterministic mode in
+ * float32). Returns 0, -1 for shapes this kernel was not built for (the caller checks them
+ * first), -2 without memory.
+ */
+int radixrt_segment_attention(
     const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool,
     const int64_t *kv_indices, int num_segments, const int64_t *starts, const int64_t *lens,
     const int64_t *row_ptr, const int64_t *rows, int num_q_heads, int num_kv_heads, int head_dim, float scale,
@@ -382,32 +388,6 @@ static int segment_attention(
     return 0;
 }
 
-/*
- * Attention of the query rows over the segments (kernels.h), written to the same rows of out
- * (and lse). Returns 0, -1 for shapes this kernel was not built for (the caller checks them
- * first), -2 without memory.
- */
-int radixrt_segment_attention_bf16(
-    const uint16_t *q, int64_t q_row_stride, const uint16_t *k_pool, const uint16_t *v_pool,
-    const int64_t *kv_indices, int num_segments, const int64_t *starts, const int64_t *lens,
-    const int64_t *row_ptr, const int64_t *rows, int num_q_heads, int num_kv_heads, int head_dim, float scale,
-    int num_threads, uint16_t *out, float *lse
-) {
-    return segment_attention(q, q_row_stride, k_pool, v_pool, kv_indices, num_segments, starts, lens, row_ptr, rows,
-                             num_q_heads, num_kv_heads, head_dim, scale, num_threads, out, lse, 0);
-}
-
-/* The same over float32 q, pools and out (deterministic mode in float32). */
-int radixrt_segment_attention_f32(
-    const float *q, int64_t q_row_stride, const float *k_pool, const float *v_pool,
-    const int64_t *kv_indices, int num_segments, const int64_t *starts, const int64_t *lens,
-    const int64_t *row_ptr, const int64_t *rows, int num_q_heads, int num_kv_heads, int head_dim, float scale,
-    int num_threads, float *out, float *lse
-) {
-    return segment_attention(q, q_row_stride, k_pool, v_pool, kv_indices, num_segments, starts, lens, row_ptr, rows,
-                             num_q_heads, num_kv_heads, head_dim, scale, num_threads, out, lse, 1);
-}
-
 /* Decode: sequence s's query row q_rows[s] over the slots kv_indices[kv_starts[s] ..][:kv_lens[s]]
  * (one segment each), written to the same row of out (and lse). Returns as above. */
 int radixrt_decode_attention_bf16(
@@ -420,9 +400,9 @@ int radixrt_decode_attention_bf16(
     int64_t *row_ptr = malloc(sizeof(int64_t) * (num_seqs + 1));
     if (row_ptr == NULL) return -2;
     for (int s = 0; s <= num_seqs; s++) row_ptr[s] = s;
-    int status = radixrt_segment_attention_bf16(q, q_row_stride, k_pool, v_pool, kv_indices, num_seqs, kv_starts,
-                                                kv_lens, row_ptr, q_rows, num_q_heads, num_kv_heads, head_dim, scale,
-                                                num_threads, out, lse);
+    int status = radixrt_segment_attention(q, q_row_stride, k_pool, v_pool, kv_indices, num_seqs, kv_starts, kv_lens,
+                                           row_ptr, q_rows, num_q_heads, num_kv_heads, head_dim, scale, num_threads,
+                                           out, lse, 0);
     free(row_ptr);
     return status;
 }
