@@ -15,6 +15,7 @@ from radixrt.kernels.segments import attention_segments
 from radixrt.memory import KVCache
 from radixrt.memory.kv_cache import KVShape
 from radixrt.model.gguf_int4 import NativeWeights
+from radixrt.model.linear import PackedLMHead
 from radixrt.model.llama import INT4_MAX_ROWS, STACK_MAX_ROWS, LlamaForCausalLM, StackedStep
 from radixrt.model.runner import ModelRunner
 from tests.conftest import randomize_weights
@@ -86,8 +87,23 @@ def make_batch(specs: list[tuple[int, int]], shared: int, seed: int) -> tuple[Fo
     return ForwardBatch.build(ids, [p for p, _ in specs], slots), total + 5
 
 
-def both_paths(model: LlamaForCausalLM, batch: ForwardBatch, num_slots: int, seed: int):
-    """(logits, K pools) through the stack and through the layers one at a time, same start pool."""
+@pytest.fixture(scope="module")
+def headed_model() -> LlamaForCausalLM:
+    """`model` with an 8-bit LM head of its own, as GGUF files store it: the whole-step kernel runs it."""
+    if cpu.decode_stack() is None:
+        pytest.skip("no C compiler or no AVX512-BF16 on this CPU: layers run one at a time")
+    ours = native_llama(quantized_head=True)
+    assert isinstance(ours._invariant_lm_head, PackedLMHead)
+    return ours
+
+
+def both_paths(
+    model: LlamaForCausalLM, batch: ForwardBatch, num_slots: int, seed: int, logit_rows: torch.Tensor | None = None
+):
+    """(logits, K pools) through the stack and through the layers one at a time, same start pool;
+    logits of `logit_rows` (default: every new token)."""
+    if logit_rows is None:
+        logit_rows = torch.arange(batch.num_tokens)
     results = []
     stack = model._stack
     for use_stack in (True, False):
@@ -96,7 +112,7 @@ def both_paths(model: LlamaForCausalLM, batch: ForwardBatch, num_slots: int, see
         try:
             plan = model.plan_attention(batch, runner.backend)
             assert isinstance(plan, StackedStep) == use_stack
-            logits = runner.forward(batch, torch.arange(batch.num_tokens))
+            logits = runner.forward(batch, logit_rows)
         finally:
             model._stack = stack
         results.append((logits, [pool.clone() for pool in runner.kv_cache.k]))
@@ -110,6 +126,38 @@ def test_decode_steps_are_bit_identical_to_the_layer_path(model, specs):
     (stacked, stacked_k), (layered, layered_k) = both_paths(model, batch, num_slots, seed=1)
     assert torch.equal(stacked, layered)
     assert all(torch.equal(a, b) for a, b in zip(stacked_k, layered_k)), "the same K written to the same slots"
+
+
+@pytest.mark.parametrize("specs, rows", [([(0, 1)], None), ([(300, 1), (5, 1), (0, 1), (700, 1)], [3, 0, 3, 1]),
+                                         ([(20, 1)] * 16, None), ([(40, 1), (7, 1), (90, 1)], [2, 2, 0])])
+def test_the_whole_step_through_the_files_head_is_bit_identical_to_the_layer_path(headed_model, specs, rows):
+    """Embedding lookup, RoPE table rows, final norm and the 8-bit head inside the kernel's call:
+    the logits of any rows (repeats, any order) as the layers, the model's norm and the head's own
+    call give. (Decodes: the layer path attends an extend through SDPA, in another order.)"""
+    batch, num_slots = make_batch(specs, shared=0, seed=len(specs))
+    logit_rows = None if rows is None else torch.tensor(rows)
+    calls = []
+    stack_logits = headed_model._stack.logits
+    headed_model._stack.logits = lambda *args: calls.append(args) or stack_logits(*args)
+    try:
+        (stacked, stacked_k), (layered, layered_k) = both_paths(headed_model, batch, num_slots, 1, logit_rows)
+    finally:
+        del headed_model._stack.logits
+    assert len(calls) == 1, "the stacked step ran its head in the kernel"
+    assert torch.equal(stacked, layered)
+    assert all(torch.equal(a, b) for a, b in zip(stacked_k, layered_k))
+
+
+def test_a_token_id_or_logit_row_out_of_range_is_refused_before_anything_is_written(headed_model):
+    batch, num_slots = make_batch([(30, 1)], shared=0, seed=3)
+    runner = filled_runner(headed_model, num_slots, seed=3)
+    before = [pool.clone() for pool in runner.kv_cache.k]
+    slots = batch.kv_indices
+    with pytest.raises(IndexError, match="token id outside the embedding"):
+        runner.forward(ForwardBatch.build([[VOCAB]], [30], [slots]))
+    with pytest.raises(IndexError, match="logit row outside the step"):
+        runner.forward(batch, torch.tensor([1]))
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.k))
 
 
 @settings(max_examples=30, deadline=None)

@@ -197,6 +197,21 @@ def test_rope_does_not_depend_on_the_batch():
     assert all(torch.equal(a, b[:10]) for a, b in zip(alone, with_long_neighbour))
 
 
+@pytest.mark.parametrize("scaling", ["linear", "llama3", "dynamic", "longrope"])
+def test_rope_tables_hold_what_cos_sin_gives_each_position(scaling):
+    """The whole-step kernel looks positions up in `tables` instead of calling `cos_sin`: the
+    same values at every position, also past the threshold where the frequencies change."""
+    config = ModelConfig.from_hf(_hf_config(ROPE_TABLES[scaling]))
+    rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 7, 127, 128, 129, 300, 5000])
+    for dtype in (torch.bfloat16, torch.float32):
+        cos, signed_sin = rope.cos_sin(positions, dtype)
+        table_cos, table_sin = rope.tables(int(positions.max()) + 1, dtype)
+        assert table_cos.shape[0] >= 5001 and table_cos.is_contiguous()
+        assert torch.equal(table_cos[positions], cos[:, 0]) and torch.equal(table_sin[positions], signed_sin[:, 0])
+    assert rope.tables(10, torch.float32)[0].shape[0] >= 5001, "a table only grows"
+
+
 def test_dynamic_context_len_is_extended_by_factor():
     config = ModelConfig.from_hf(_hf_config(ROPE_TABLES["dynamic"]))
     assert config.context_len == 3 * 128

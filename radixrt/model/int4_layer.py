@@ -10,8 +10,9 @@ still applies (`Int4LayerSteps`).
 
 When every layer is such a layer and attends fully (no window, no score cap),
 and the attention is radixrt's own C attention over a bf16 pool, the whole
-stack of layers runs in one call (`Int4DecodeStack`, `kernels/cpu/decode_stack.c`):
-the same arithmetic, the threads forked once a step instead of once an op.
+step runs in one call (`Int4DecodeStack`, `kernels/cpu/decode_stack.c`), from
+the embedding lookup to the logits when the LM head is the file's own: the
+same arithmetic, the threads forked once a step instead of once an op.
 """
 
 from __future__ import annotations
@@ -101,18 +102,41 @@ class Int4DecodeStack:
             return None
         return Int4DecodeStack(kernel, steps, intermediate)
 
-    def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, batch: ForwardBatch,
+    def hidden_states(
+        self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
         kv_cache: KVCache, segments: AttentionSegments, scale: float,
     ) -> torch.Tensor:
-        """`hidden` [T, dim] through every layer, in place; each layer's new K/V stored at
-        `batch.out_slots` and attended with `segments`. cos and signed_sin: [T, head_dim]."""
+        """The step's hidden states after the last layer (before the final norm), [T, dim]: its
+        tokens looked up in `embedding`, rotated with rows of `rope_tables` (`RotaryEmbedding.tables`),
+        each layer's new K/V stored at `batch.out_slots` and attended with `segments`."""
+        hidden = torch.empty(batch.num_tokens, embedding.shape[1], dtype=embedding.dtype)
+        self._run(embedding, rope_tables, batch, kv_cache, segments, scale, hidden, None)
+        return hidden
+
+    def logits(
+        self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+        kv_cache: KVCache, segments: AttentionSegments, scale: float, final_norm: torch.Tensor,
+        head: cpu.PackedWeight, logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """float32 logits [len(logit_rows), head rows] of the step's rows `logit_rows` after the
+        final norm, through the packed LM head: `hidden_states`, norm and head in the same call."""
+        hidden = torch.empty(batch.num_tokens, embedding.shape[1], dtype=embedding.dtype)
+        logits = torch.empty(logit_rows.shape[0], head.num_rows, dtype=torch.float32)
+        self._run(embedding, rope_tables, batch, kv_cache, segments, scale, hidden,
+                  (final_norm, head, logit_rows, logits))  # fmt: skip
+        return logits
+
+    def _run(
+        self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+        kv_cache: KVCache, segments: AttentionSegments, scale: float, hidden: torch.Tensor,
+        head: tuple[torch.Tensor, cpu.PackedWeight, torch.Tensor, torch.Tensor] | None,
+    ) -> None:
         k_pools, v_pools = self._pool_addresses(kv_cache)
         first = self._layers[0]
-        return self._kernel(
-            hidden, self._weights, k_pools, v_pools, kv_cache.k[0].shape[0], first.eps, first.heads,
-            self._intermediate, scale, cos, signed_sin, batch.out_slots, batch.kv_indices,
-            (segments.starts, segments.lens, segments.row_ptr, segments.rows),
+        self._kernel(
+            batch.input_ids, embedding, hidden, self._weights, k_pools, v_pools, kv_cache.k[0].shape[0], first.eps,
+            first.heads, self._intermediate, scale, batch.positions, rope_tables, batch.out_slots, batch.kv_indices,
+            (segments.starts, segments.lens, segments.row_ptr, segments.rows), head,
         )  # fmt: skip
 
     def _pool_addresses(self, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

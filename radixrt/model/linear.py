@@ -105,7 +105,7 @@ def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = Non
 def lm_head(weight: Int4Weight | Int8Weight, dtype: torch.dtype) -> Linear:
     """float32 logits `x @ w.T` for a GGUF file's own 4- or 8-bit LM head (CPU only).
 
-    radixrt's kernel multiplies by an 8-bit head as it is; torch's 4-bit
+    radixrt's kernel multiplies by an 8-bit head as it is (a `PackedLMHead`); torch's 4-bit
     kernel takes it as two 4-bit weights (`Int8Weight.as_int4_pair`), each
     product rounded to `dtype` and the two added in float32.
     """
@@ -114,16 +114,23 @@ def lm_head(weight: Int4Weight | Int8Weight, dtype: torch.dtype) -> Linear:
         parts = weight.as_int4_pair() if isinstance(weight, Int8Weight) else [weight]
         return _summed_in_float32([_torch_int4(part, dtype) for part in parts])
     if isinstance(weight, Int8Weight):
-        packed = kernel.pack_int8(weight.codes, weight.scales)
-    else:
-        packed = kernel.pack_int4(weight.codes, weight.scales, weight.offsets)
+        return PackedLMHead(kernel, kernel.pack_int8(weight.codes, weight.scales))
+    return PackedLMHead(kernel, kernel.pack_int4(weight.codes, weight.scales, weight.offsets))
 
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        rows = _rows(x, weight.shape[1])
-        out = kernel(rows, packed, out=torch.empty(rows.shape[0], packed.num_rows, dtype=torch.float32))
-        return out.view(*x.shape[:-1], packed.num_rows)
 
-    return linear
+class PackedLMHead:
+    """A quantized LM head in radixrt's kernel layout, float32 logits: a `Linear` whose packed
+    weight the whole-step kernel (`kernels/cpu/decode_stack.c`) reads too."""
+
+    def __init__(self, kernel: cpu.QuantizedMatmul, packed: cpu.PackedWeight):
+        self.kernel = kernel
+        self.packed = packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        num_rows = self.packed.num_rows
+        rows = _rows(x, x.shape[-1])
+        out = self.kernel(rows, self.packed, out=torch.empty(rows.shape[0], num_rows, dtype=torch.float32))
+        return out.view(*x.shape[:-1], num_rows)
 
 
 def _own_kernel(weight: Int4Weight | Int8Weight, dtype: torch.dtype) -> cpu.QuantizedMatmul | None:

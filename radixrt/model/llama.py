@@ -17,7 +17,8 @@ per distinct one.
 
 On native 4-bit weights, a step of at most `STACK_MAX_ROWS` tokens through
 radixrt's C attention runs every layer in one C call instead
-(`Int4DecodeStack`): `plan_attention` then returns a `StackedStep`.
+(`Int4DecodeStack`): `plan_attention` then returns a `StackedStep`, and
+`logits` runs the whole step, embedding lookup to logits, in that call.
 
 Deterministic steps (`deterministic=True` to `plan_attention`, `forward` and
 `compute_logits`, after `prepare_deterministic`) make each token's logits
@@ -341,6 +342,16 @@ class LlamaForCausalLM(nn.Module):
             self._invariant_lm_head = linear.lm_head(head, self.dtype)
             self._lm_head = linear.by_rows(self._invariant_lm_head, self._lm_head, INT4_MAX_ROWS)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LlamaForCausalLM:
+        """After `.to()` and the like, the norm is the one the new dtype and device get at
+        construction: the whole-step kernel normalizes in C, and its logits must equal `forward`'s."""
+        super()._apply(fn, recurse)
+        if not self.config.is_gemma:
+            self.rms_norm = _rms_norm_for(self.device, self.dtype)
+            for layer in self._decoder_layers():
+                layer.rms_norm = self.rms_norm
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.device
@@ -435,23 +446,40 @@ class LlamaForCausalLM(nn.Module):
         `plans` must be `plan_attention(batch, backend, deterministic)` for this very batch;
         every layer's attention stores its new K/V at `batch.out_slots`.
         """
+        if isinstance(plans, StackedStep):
+            assert self._stack is not None
+            hidden = self._stack.hidden_states(self.embed_tokens, self._rope_tables(batch), batch, backend.kv_cache,
+                                               plans.segments, plans.scale)  # fmt: skip
+            return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
-        if isinstance(plans, StackedStep):
-            assert self._stack is not None
-            cos, signed_sin = self.rope.cos_sin(batch.positions, self.dtype)
-            num_tokens = batch.num_tokens
-            hidden = self._stack.forward(hidden, cos.view(num_tokens, -1), signed_sin.view(num_tokens, -1), batch,
-                                         backend.kv_cache, plans.segments, plans.scale)
-        else:
-            # each distinct rope's tables once a step (Gemma 3: one for full layers, one for sliding ones)
-            tables = {rope: rope.cos_sin(batch.positions, self.dtype) for rope in self._distinct_ropes}
-            for layer, rope in zip(self._decoder_layers(), self._layer_ropes):
-                cos, signed_sin = tables[rope]
-                hidden = layer.forward(hidden, cos, signed_sin, rope, batch, backend, plans[layer.attention],
-                                       deterministic)
+        # each distinct rope's tables once a step (Gemma 3: one for full layers, one for sliding ones)
+        tables = {rope: rope.cos_sin(batch.positions, self.dtype) for rope in self._distinct_ropes}
+        for layer, rope in zip(self._decoder_layers(), self._layer_ropes):
+            cos, signed_sin = tables[rope]
+            hidden = layer.forward(hidden, cos, signed_sin, rope, batch, backend, plans[layer.attention],
+                                   deterministic)
         return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def logits(
+        self, batch: ForwardBatch, backend: AttentionBackend[Any], plans: StepPlan, logit_rows: torch.Tensor,
+        deterministic: bool = False,
+    ) -> torch.Tensor:
+        """float32 logits [len(logit_rows), vocab_size] of rows of the step: `forward`, those rows,
+        `compute_logits`. A step the whole-stack kernel takes, with the file's own LM head in
+        radixrt's layout, runs all of it in one C call."""
+        head = self._invariant_lm_head
+        if (isinstance(plans, StackedStep) and isinstance(head, linear.PackedLMHead)
+                and (deterministic or logit_rows.shape[0] <= INT4_MAX_ROWS)):  # where `_lm_head` is that head too
+            assert self._stack is not None
+            return self._stack.logits(self.embed_tokens, self._rope_tables(batch), batch, backend.kv_cache,
+                                      plans.segments, plans.scale, self.norm, head.packed, logit_rows.contiguous())
+        hidden = self.forward(batch, backend, plans, deterministic)
+        return self.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)), deterministic)
+
+    def _rope_tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope.tables(max(batch.seq_lens), self.dtype)
 
     def compute_logits(self, hidden_rows: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """float32 logits [N, vocab_size] for N rows of `forward`'s output (soft-capped where the

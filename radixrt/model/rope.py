@@ -113,6 +113,10 @@ def _longrope_attention_factor(scaling: RopeScaling) -> float:
     return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_position_embeddings))
 
 
+# The first `tables` cover this many positions (~0.5 MB for head_dim 64 in bf16).
+_MIN_TABLE_POSITIONS = 2048
+
+
 class RotaryEmbedding:
     """cos/sin tables for a batch's positions, and their application to q and k.
 
@@ -136,6 +140,7 @@ class RotaryEmbedding:
             self.long_position_threshold = scaling.original_max_position_embeddings
         if scaling is not None and scaling.rope_type == "longrope":
             self.long_inv_freq = _longrope(head_dim, theta, scaling.long_factor).to(device)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # see `tables`
 
     def _frequencies(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [T] -> fp32 angles [T, head_dim // 2]."""
@@ -177,6 +182,20 @@ class RotaryEmbedding:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         sin[:, :half].neg_()
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+    def tables(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) [P, head_dim], row p what `cos_sin` gives position p, P >= num_positions.
+
+        For kernels that look each token's row up instead of computing it (~10 torch ops a
+        step): `cos_sin`'s values depend on the position alone, so the rows are computed once,
+        the tables doubling as longer positions come.
+        """
+        cached = self._tables.get(dtype)
+        if cached is None or cached[0].shape[0] < num_positions:
+            size = max(_MIN_TABLE_POSITIONS, 1 << (num_positions - 1).bit_length())
+            cos, signed_sin = self.cos_sin(torch.arange(size, device=self.inv_freq.device), dtype)
+            cached = self._tables[dtype] = (cos[:, 0], signed_sin[:, 0])
+        return cached
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """Rotate x: [num_tokens, num_heads, head_dim] (any heads: q and k stacked work too).

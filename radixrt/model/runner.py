@@ -110,9 +110,7 @@ class ModelRunner:
         try:
             with torch.inference_mode(), cpu.kernel_threads(None if self.threads is None else self.threads.large):
                 plans = self.model.plan_attention(batch, self.backend, self.deterministic)
-                hidden = self.model.forward(batch, self.backend, plans, self.deterministic)
-                rows = hidden.index_select(0, logit_rows.to(hidden.device))
-                return self.model.compute_logits(rows, self.deterministic)
+                return self.model.logits(batch, self.backend, plans, logit_rows, self.deterministic)
         finally:
             if wanted != previous:  # the thread count is the process's: leave it as found
                 torch.set_num_threads(previous)

@@ -24,9 +24,9 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
     int4_layer.c        a 4-bit Llama layer's work around attention (norms,
                         projections, RoPE, SwiGLU, residuals) in two calls
                         instead of about thirty ops, for decode-sized steps.
-    decode_stack.c      all layers of such a model for a step of a few tokens
-                        in one call: threads forked once a step, not once an
-                        op, and no Python between the layers.
+    decode_stack.c      a whole step of such a model, token ids to logits,
+                        for a few new tokens in one call: threads forked once
+                        a step, not once an op, and no Python in between.
     rowwise_matmul.c    a dense matmul whose every output is reduced in one
                         fixed order whatever the batch: library GEMMs change
                         a row's rounding with the number of rows (deterministic
@@ -395,8 +395,8 @@ class Int4Layer:
 
 
 class DecodeStack:
-    """`decode_stack.c`: every layer of a plain Llama model on `pack_int4`ed weights, for a step of
-    a few new tokens, in one call."""
+    """`decode_stack.c`: a whole step of a plain Llama model on `pack_int4`ed weights, token ids
+    to logits, for a few new tokens, in one call."""
 
     WEIGHTS_PER_LAYER = 6  # input norm, qkv, o, post-attention norm, gate_up, down
 
@@ -404,46 +404,66 @@ class DecodeStack:
         self._fn = library.radixrt_int4_decode_stack_bf16
         pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self._fn.argtypes = [
-            pointer, i64, i64, i32, pointer,  # hidden, rows, dim, num_layers, layer weights
-            pointer, pointer, i64,  # k pools, v pools, num_slots
+            pointer, pointer, i64, pointer, i64, i64,  # token ids, embedding, vocab, hidden, rows, dim
+            i32, pointer, pointer, pointer, i64,  # num_layers, layer weights, k pools, v pools, num_slots
             f32, i32, i32, i32, i64, f32,  # eps, Hq, Hkv, D, intermediate, scale
-            pointer, pointer, pointer, pointer,  # cos, signed_sin, out_slots, kv_indices
-            i32, pointer, pointer, pointer, pointer, i32,  # segments: count, starts, lens, row_ptr, rows; threads
+            pointer, pointer, pointer, i64,  # positions, cos, signed_sin, table rows
+            pointer, pointer,  # out_slots, kv_indices
+            i32, pointer, pointer, pointer, pointer,  # segments: count, starts, lens, row_ptr, rows
+            pointer, pointer, i32, i64,  # final norm, head, head bits, head rows
+            i64, pointer, pointer, i32,  # logit rows: count, rows; logits; threads
         ]
         self._fn.restype = i32
 
     def __call__(
-        self, hidden: torch.Tensor, layer_weights: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor,
-        num_slots: int, eps: float, heads: tuple[int, int, int], intermediate: int, scale: float,
-        cos: torch.Tensor, signed_sin: torch.Tensor, out_slots: torch.Tensor, kv_indices: torch.Tensor,
+        self, token_ids: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor, layer_weights: torch.Tensor,
+        k_pools: torch.Tensor, v_pools: torch.Tensor, num_slots: int, eps: float, heads: tuple[int, int, int],
+        intermediate: int, scale: float, positions: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
+        out_slots: torch.Tensor, kv_indices: torch.Tensor,
         segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        """`hidden` ([T, dim] bf16, contiguous) through every layer, in place; returned.
+        head: tuple[torch.Tensor, PackedWeight, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """`token_ids` ([T] rows of `embedding`, [vocab, dim] bf16) through every layer into
+        `hidden` ([T, dim] bf16, contiguous); with `head` = (final norm, packed LM head, logit
+        rows, logits), also logits [N, head rows] float32 of the normed rows `logit rows` ([N]
+        rows of the step).
 
         layer_weights: [layers, 6] int64 addresses (see WEIGHTS_PER_LAYER; the caller keeps
         them alive); k_pools, v_pools: [layers] int64 addresses of [num_slots, Hkv, D] bf16 pools;
-        heads: (Hq, Hkv, D); cos, signed_sin: [T, D] bf16; out_slots: [T], each row's new K/V slot;
-        segments: (starts, lens, row_ptr, rows) over kv_indices, as `kernels.segments` builds
-        them. Every index tensor int64 and contiguous. Raises IndexError, computing nothing, for a
-        slot outside the pools.
+        heads: (Hq, Hkv, D); rope_tables: (cos, signed_sin) [P, D] bf16, row p for position p;
+        positions: [T]; out_slots: [T], each row's new K/V slot; segments: (starts, lens,
+        row_ptr, rows) over kv_indices, as `kernels.segments` builds them. Every index tensor
+        int64 and contiguous. Raises IndexError, computing nothing, for a slot outside the pools,
+        a token id outside the embedding, a position outside the tables or a logit row outside
+        the step.
         """
         num_q_heads, num_kv_heads, head_dim = heads
         starts, lens, row_ptr, rows = segments
+        cos, signed_sin = rope_tables
+        final_norm, packed, logit_rows, logits = (None, None, None, None) if head is None else head
         status = self._fn(
-            hidden.data_ptr(), hidden.shape[0], hidden.shape[1], layer_weights.shape[0], layer_weights.data_ptr(),
-            k_pools.data_ptr(), v_pools.data_ptr(), num_slots,
-            eps, num_q_heads, num_kv_heads, head_dim, intermediate, scale,
-            cos.data_ptr(), signed_sin.data_ptr(), out_slots.data_ptr(), kv_indices.data_ptr(),
+            token_ids.data_ptr(), embedding.data_ptr(), embedding.shape[0], hidden.data_ptr(), hidden.shape[0],
+            hidden.shape[1], layer_weights.shape[0], layer_weights.data_ptr(), k_pools.data_ptr(),
+            v_pools.data_ptr(), num_slots, eps, num_q_heads, num_kv_heads, head_dim, intermediate, scale,
+            positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0],
+            out_slots.data_ptr(), kv_indices.data_ptr(),
             starts.numel(), starts.data_ptr(), lens.data_ptr(), row_ptr.data_ptr(), rows.data_ptr(),
-            _threads(),
+            None if final_norm is None else final_norm.data_ptr(), None if packed is None else packed.data.data_ptr(),
+            0 if packed is None else packed.bits, 0 if packed is None else packed.num_rows,
+            0 if logit_rows is None else logit_rows.numel(), None if logit_rows is None else logit_rows.data_ptr(),
+            None if logits is None else logits.data_ptr(), _threads(),
         )  # fmt: skip
         if status == -3:
             raise IndexError(f"a K/V slot is outside the pool of {num_slots} slots")
+        if status == -4:
+            raise IndexError(
+                f"a token id outside the embedding's {embedding.shape[0]} rows, a position outside the RoPE "
+                f"tables' {cos.shape[0]} or a logit row outside the step's {hidden.shape[0]}"
+            )
         if status == -1:
             raise ValueError(f"decode stack kernel refused heads {heads}")
         if status:
             raise MemoryError("decode stack kernel could not allocate its buffers")
-        return hidden
 
 
 class RowStats:

@@ -1,26 +1,31 @@
 /*
- * Every layer of a plain Llama model on 4-bit weights, for a step of a few
- * new tokens (a decode batch, a short extend), in one call and one OpenMP
- * parallel region.
+ * A whole step of a plain Llama model on 4-bit weights, for a few new tokens
+ * (a decode batch, a short extend), in one call and one OpenMP parallel
+ * region: from token ids to the logits of the rows the caller samples.
  *
  * A batch-1 step of the bundled model is memory-bound: it must stream the
- * ~66 MB of 4-bit layer weights once. Done as three calls a layer (the two
- * of int4_layer.c around the attention backend) it read them at a fraction
- * of the machine's bandwidth: each op forked the threads again, and Python
- * ran between the calls. Here the threads are forked once for the whole
- * step and meet at barriers between the phases of each layer:
+ * ~66 MB of 4-bit layer weights and the ~30 MB LM head once. Done as three
+ * calls a layer (the two of int4_layer.c around the attention backend) it
+ * read them at a fraction of the machine's bandwidth: each op forked the
+ * threads again, and Python ran between the calls; done as one call for the
+ * layers with the embedding, RoPE tables, final norm and head in torch
+ * around it, ~0.25 ms of a ~3 ms step was still Python. Here the threads are
+ * forked once for the whole step and meet at barriers between its phases:
  *
- *   x = rms_norm(hidden)                              rows split over threads
- *   qkv = x @ w_qkv.T                                 weight tiles split
- *   RoPE on q and k; k, v into their pool slots      rows split
- *   attn = attention over the segments               (segment, head, chunk) items
- *   hidden += attn @ w_o.T; x = rms_norm(hidden)      tiles split; rows split
- *   [gate | up] = x @ w_gate_up.T                     tiles split
- *   hidden += (silu(gate) * up) @ w_down.T            rows split; tiles split; rows split
+ *   hidden = embedding[token_ids]                     rows split over threads
+ *   per layer:
+ *     x = rms_norm(hidden)                            rows split
+ *     qkv = x @ w_qkv.T                               weight tiles split
+ *     RoPE on q and k; k, v into their pool slots    rows split
+ *     attn = attention over the segments             (segment, head, chunk) items
+ *     hidden += attn @ w_o.T; x = rms_norm(hidden)    tiles split; rows split
+ *     [gate | up] = x @ w_gate_up.T                   tiles split
+ *     hidden += (silu(gate) * up) @ w_down.T          rows split; tiles split; rows split
+ *   logits = rms_norm(hidden[logit_rows]) @ head.T    rows split; tiles split (when a head is given)
  *
- * The arithmetic and its bf16 roundings are those of int4_layer.c and
- * decode_attention.c, so a decode batch gets bit for bit what the per-layer
- * path computes (tests/test_decode_stack.py).
+ * The arithmetic and its bf16 roundings are those of int4_layer.c,
+ * decode_attention.c, rms_norm.c and quantized_matmul.c, so a step gets bit
+ * for bit what the per-layer path computes (tests/test_decode_stack.py).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -36,7 +41,8 @@ typedef struct {
     int64_t rows, dim, qkv_rows, attn_dim, intermediate;
     int num_q_heads, num_kv_heads, head_dim;
     float eps, scale;
-    const uint16_t *cos, *signed_sin;
+    const int64_t *positions;  /* each row's position: its row of the RoPE tables */
+    const uint16_t *cos, *signed_sin;  /* [table rows, head_dim] */
     const int64_t *out_slots, *kv_indices;
 } Step;
 
@@ -64,8 +70,9 @@ static void layer(const Team *team, const Step *st, const void *const *weights, 
     {
         FOR_SHARE(team, rows, r) {
             uint16_t *row = b->qkv + r * qkv_rows;
-            radixrt_rope_row(row, st->num_q_heads + st->num_kv_heads, st->head_dim, st->cos + r * st->head_dim,
-                             st->signed_sin + r * st->head_dim);
+            const int64_t table_row = st->positions[r] * st->head_dim;
+            radixrt_rope_row(row, st->num_q_heads + st->num_kv_heads, st->head_dim, st->cos + table_row,
+                             st->signed_sin + table_row);
             const uint16_t *k = row + st->attn_dim, *v = k + kv_elems;
             memcpy(k_pool + st->out_slots[r] * kv_elems, k, sizeof(uint16_t) * (size_t)kv_elems);
             memcpy(v_pool + st->out_slots[r] * kv_elems, v, sizeof(uint16_t) * (size_t)kv_elems);
@@ -103,20 +110,27 @@ static void layer(const Team *team, const Step *st, const void *const *weights, 
 }
 
 /*
- * hidden [rows, dim] bf16, in place: through every layer. layer_weights: [num_layers, 6]
- * addresses (input norm, qkv, o, post-attention norm, gate_up, down; the projections packed
- * 4-bit); k_pools, v_pools: [num_layers] addresses of [num_slots, Hkv, D] pools. Row r's K/V
- * go to slot out_slots[r] before attention; attention reads the segments (kernels.h) over
- * kv_indices. cos, signed_sin: [rows, head_dim]. Returns 0, -1 for a shape the kernels do not
- * take, -2 without memory, -3 for a slot outside the pools (nothing computed).
+ * token_ids [rows] (rows of embedding [vocab, dim] bf16) through every layer into hidden
+ * [rows, dim] bf16. layer_weights: [num_layers, 6] addresses (input norm, qkv, o,
+ * post-attention norm, gate_up, down; the projections packed 4-bit); k_pools, v_pools:
+ * [num_layers] addresses of [num_slots, Hkv, D] pools. Row r's K/V go to slot out_slots[r]
+ * before attention; attention reads the segments (kernels.h) over kv_indices. Row r rotates
+ * with row positions[r] of cos and signed_sin, [table_rows, head_dim]. With head not NULL,
+ * logits [num_logit_rows, head_rows] fp32 = rms_norm(hidden[logit_rows[i]], final_norm) @
+ * head.T (head packed with head_bits bits); hidden is left after the last layer either way.
+ * Returns 0, -1 for a shape the kernels do not take, -2 without memory, -3 for a slot outside
+ * the pools, -4 for a token id, position or logit row out of range (nothing computed).
  */
 int radixrt_int4_decode_stack_bf16(
-    uint16_t *hidden, int64_t rows, int64_t dim, int num_layers, const int64_t *layer_weights,
-    const int64_t *k_pools, const int64_t *v_pools, int64_t num_slots,
+    const int64_t *token_ids, const uint16_t *embedding, int64_t vocab, uint16_t *hidden, int64_t rows, int64_t dim,
+    int num_layers, const int64_t *layer_weights, const int64_t *k_pools, const int64_t *v_pools, int64_t num_slots,
     float eps, int num_q_heads, int num_kv_heads, int head_dim, int64_t intermediate, float scale,
-    const uint16_t *cos, const uint16_t *signed_sin, const int64_t *out_slots, const int64_t *kv_indices,
+    const int64_t *positions, const uint16_t *cos, const uint16_t *signed_sin, int64_t table_rows,
+    const int64_t *out_slots, const int64_t *kv_indices,
     int num_segments, const int64_t *seg_starts, const int64_t *seg_lens, const int64_t *seg_row_ptr,
-    const int64_t *seg_rows, int num_threads
+    const int64_t *seg_rows,
+    const uint16_t *final_norm, const uint8_t *head, int head_bits, int64_t head_rows,
+    int64_t num_logit_rows, const int64_t *logit_rows, float *logits, int num_threads
 ) {
     if (num_q_heads % num_kv_heads || num_q_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM || head_dim % 2)
         return -1;
@@ -125,41 +139,65 @@ int radixrt_int4_decode_stack_bf16(
     for (int s = 0; s < num_segments; s++)
         for (int64_t j = 0; j < seg_lens[s]; j++)
             if (kv_indices[seg_starts[s] + j] < 0 || kv_indices[seg_starts[s] + j] >= num_slots) return -3;
+    for (int64_t r = 0; r < rows; r++)
+        if (token_ids[r] < 0 || token_ids[r] >= vocab || positions[r] < 0 || positions[r] >= table_rows) return -4;
+    if (head == NULL) num_logit_rows = 0;
+    for (int64_t i = 0; i < num_logit_rows; i++)
+        if (logit_rows[i] < 0 || logit_rows[i] >= rows) return -4;
     Segments seg = {num_segments, seg_starts, seg_lens, seg_row_ptr, seg_rows, num_q_heads, num_kv_heads, head_dim};
     Step st = {
         rows, dim, (int64_t)(num_q_heads + 2 * num_kv_heads) * head_dim, (int64_t)num_q_heads * head_dim,
-        intermediate, num_q_heads, num_kv_heads, head_dim, eps, scale, cos, signed_sin, out_slots, kv_indices,
+        intermediate, num_q_heads, num_kv_heads, head_dim, eps, scale, positions, cos, signed_sin, out_slots,
+        kv_indices,
     };
     const int64_t widest = dim > st.attn_dim ? (dim > intermediate ? dim : intermediate)
                                              : (st.attn_dim > intermediate ? st.attn_dim : intermediate);
-    const int64_t sums_per_thread = rows * (widest / 32);
+    const int64_t sums_per_thread = (rows > num_logit_rows ? rows : num_logit_rows) * (widest / 32);
     Buffers b = {
         malloc(sizeof(uint16_t) * rows * dim), malloc(sizeof(uint16_t) * rows * st.qkv_rows),
         malloc(sizeof(uint16_t) * rows * st.attn_dim), malloc(sizeof(uint16_t) * rows * dim),
         malloc(sizeof(uint16_t) * rows * 2 * intermediate), malloc(sizeof(uint16_t) * rows * intermediate),
     };
+    uint16_t *head_input = malloc(sizeof(uint16_t) * (num_logit_rows ? num_logit_rows : 1) * dim);
     float *x_sums = malloc(sizeof(float) * sums_per_thread * num_threads);
     AttentionWork *work = radixrt_attention_work_new(&seg);
     atomic_long *next_items = calloc(num_layers, sizeof(atomic_long));  /* each layer's attention item counter */
     SpinBarrier barrier = {0, 0};
     int status = -2;
-    if (b.normed && b.qkv && b.attn && b.projected && b.gate_up && b.activated && x_sums && work && next_items) {
+    if (b.normed && b.qkv && b.attn && b.projected && b.gate_up && b.activated && head_input && x_sums && work &&
+        next_items) {
         status = 0;
         #pragma omp parallel num_threads(num_threads)
         {
             Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
             float *own_sums = x_sums + sums_per_thread * team.thread;
+            {
+                FOR_SHARE(&team, rows, r)
+                    memcpy(hidden + r * dim, embedding + token_ids[r] * dim, sizeof(uint16_t) * (size_t)dim);
+            }
+            team_barrier(&team);
             for (int i = 0; i < num_layers; i++) {
                 const void *weights[LAYER_WEIGHTS];
                 for (int w = 0; w < LAYER_WEIGHTS; w++) weights[w] = (const void *)layer_weights[i * LAYER_WEIGHTS + w];
                 layer(&team, &st, weights, (uint16_t *)k_pools[i], (uint16_t *)v_pools[i], work, &next_items[i],
                       hidden, &b, own_sums);
             }
+            if (num_logit_rows) {
+                {
+                    FOR_SHARE(&team, num_logit_rows, i)
+                        radixrt_rms_norm_row(hidden + logit_rows[i] * dim, NULL, final_norm, head_input + i * dim,
+                                             dim, eps);
+                }
+                team_barrier(&team);
+                radixrt_quantized_matmul_share(&team, head_input, dim, num_logit_rows, head, head_bits, head_rows,
+                                               dim, logits, NULL, own_sums);
+            }
         }
     }
     free(next_items);
     radixrt_attention_work_free(work);
     free(x_sums);
+    free(head_input);
     free(b.normed);
     free(b.qkv);
     free(b.attn);
