@@ -11,6 +11,9 @@ or a named shape from SHAPES with random weights) on this machine, per dtype:
   floor     the machine's read bandwidth (a 1 GiB float32 sum on all threads) and, per
             weights mode, the bytes a batch-1 decode step must read (every projection and
             the LM head once) divided by it: no step can be faster
+  loop      a batch-1 decode step in a loop of back-to-back steps (the state a decode loop
+            runs in, not in the wake of a transformers step) against the floor at the
+            bandwidth measured between its steps (--runs rounds of one sum and 20 steps)
 Medians (or with --statistic min, best times) of --runs timed runs after one warm-up,
 radixrt and transformers alternating. Use min on a machine shared with other jobs: the
 best run is the one least disturbed. `--weights native` runs radixrt on the GGUF file's
@@ -137,12 +140,7 @@ def bench_decode(
     runs: int,
     statistic: Callable[[list[float]], float],
 ) -> tuple[float, float]:
-    generator = torch.Generator().manual_seed(batch_size)
-    prompts = torch.randint(0, loaded.config.vocab_size, (batch_size, context), generator=generator)
-    runner = make_runner(loaded, batch_size * context)
-    slots = [torch.arange(i * context, (i + 1) * context) for i in range(batch_size)]
-    runner.forward(ForwardBatch.build([p[:-1].tolist() for p in prompts], [0] * batch_size, [s[:-1] for s in slots]))
-    step = ForwardBatch.build([[int(p[-1])] for p in prompts], [context - 1] * batch_size, slots)
+    runner, step, prompts = decode_setup(loaded, batch_size, context)
     with torch.inference_mode():
         cache = hf_model(prompts[:, :-1], use_cache=True).past_key_values
         last = prompts[:, -1:]
@@ -159,6 +157,36 @@ def bench_decode(
             statistic,
             drop_last_step,
         )
+
+
+def decode_setup(loaded: LoadedModel, batch_size: int, context: int) -> tuple[ModelRunner, ForwardBatch, torch.Tensor]:
+    """A runner whose pool holds `batch_size` random prompts of `context - 1` tokens, the decode
+    step of their last tokens, and the prompts."""
+    generator = torch.Generator().manual_seed(batch_size)
+    prompts = torch.randint(0, loaded.config.vocab_size, (batch_size, context), generator=generator)
+    runner = make_runner(loaded, batch_size * context)
+    slots = [torch.arange(i * context, (i + 1) * context) for i in range(batch_size)]
+    runner.forward(ForwardBatch.build([p[:-1].tolist() for p in prompts], [0] * batch_size, [s[:-1] for s in slots]))
+    step = ForwardBatch.build([[int(p[-1])] for p in prompts], [context - 1] * batch_size, slots)
+    return runner, step, prompts
+
+
+def bench_floor(
+    loaded: LoadedModel, context: int, rounds: int, steps_per_round: int = 20
+) -> tuple[float, float]:
+    """(median seconds of a batch-1 decode step in a loop of back-to-back steps, as a decode loop
+    runs them; median bytes per second of a 1 GiB float32 sum). Rounds alternate one sum with
+    `steps_per_round` steps, so that step and bandwidth are measured in the same minutes: this
+    VM's bandwidth drifts by half between quarters of an hour."""
+    runner, step, _ = decode_setup(loaded, 1, context)
+    data = torch.ones(1 << 28)
+    steps, sums = [], []
+    with torch.inference_mode():
+        runner.forward(step)
+        for _ in range(rounds):
+            sums.append(_timed(data.sum))
+            steps.extend(_timed(lambda: runner.forward(step)) for _ in range(steps_per_round))
+    return statistics.median(steps), data.numel() * 4 / statistics.median(sums)
 
 
 def read_bandwidth(runs: int = 5) -> float:
@@ -258,6 +286,14 @@ def run(args: argparse.Namespace, folder: Path | None) -> None:
             for threads in (int(n) for n in args.threads.split(",")):
                 torch.set_num_threads(threads)
                 row = f"| {dtype} | {weights} | {threads} |"
+                step, loop_bandwidth = bench_floor(loaded, args.context, args.runs)
+                loop_floor = weight_bytes / loop_bandwidth
+                print(
+                    f"{row} batch-1 decode loop, {args.context}-token context: step / floor at the loop's "
+                    f"{loop_bandwidth / 1e9:.1f} GB/s (ms) | {step * 1e3:.2f} / {loop_floor * 1e3:.2f} = "
+                    f"{step / loop_floor:.2f}x | | |",
+                    flush=True,
+                )
                 ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs, statistic)
                 print(
                     f"{row} prefill {args.prefill_len} tokens (tokens/s) | {args.prefill_len / ours:.0f} | "
