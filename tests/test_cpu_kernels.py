@@ -161,9 +161,9 @@ def test_backend_stores_bfloat16_rows_through_the_c_copy():
 @needs_kernel
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 9), cols=st.integers(1, 3000), ties=st.booleans(), seed=st.integers(0, 2**16))
-def test_row_stats_are_torchs_argmax_and_logsumexp(rows, cols, ties, seed):
+def test_row_stats_are_torchs_argmax_max_and_logsumexp(rows, cols, ties, seed):
     """The first index of the largest value (ties included, across the kernel's 1024-value
-    blocks) and the log-sum-exp, on rows read with a stride."""
+    blocks), that value and the log-sum-exp, on rows read with a stride."""
     kernel = cpu.row_stats()
     assert kernel is not None
     generator = torch.Generator().manual_seed(seed)
@@ -172,8 +172,9 @@ def test_row_stats_are_torchs_argmax_and_logsumexp(rows, cols, ties, seed):
         wide[:, -6] = wide[:, :cols].amax(dim=1)
     logits = wide[:, :cols]
     assert kernel.takes(logits)
-    argmax, lse = kernel(logits)
+    argmax, maximum, lse = kernel(logits)
     assert torch.equal(argmax, logits.argmax(dim=1))
+    assert torch.equal(maximum, logits.amax(dim=1))
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=1), atol=1e-5, rtol=1e-6)
 
 

@@ -294,6 +294,18 @@ def test_logprob_is_log_softmax_of_penalised_logits_at_temperature_1():
     torch.testing.assert_close(out.logprobs, reference.gather(1, out.token_ids[:, None]).squeeze(1))
 
 
+def test_an_all_greedy_batch_reports_the_logprobs_a_mixed_batch_reports():
+    """All-greedy steps take the row maximum for the chosen token's logit (no gather): the same
+    log-probabilities, bit for bit, as when a sampled row shares the step."""
+    logits = random_logits(3, 3000)
+    greedy = sample(logits, [SamplingParams(temperature=0)] * 3)
+    mixed = sample(logits, [SamplingParams(temperature=0)] * 2 + [SamplingParams(temperature=1.0)])
+    assert torch.equal(greedy.token_ids[:2], mixed.token_ids[:2])
+    assert torch.equal(greedy.logprobs[:2], mixed.logprobs[:2])
+    reference = torch.log_softmax(logits, -1).amax(-1)
+    torch.testing.assert_close(greedy.logprobs, reference)
+
+
 def test_half_precision_logits():
     logits = random_logits(4, 100).to(torch.bfloat16)
     out = sample(logits, [SamplingParams(temperature=0), SamplingParams()] * 2)

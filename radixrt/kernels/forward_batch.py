@@ -18,6 +18,7 @@ global "current batch".
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -55,24 +56,27 @@ class ForwardBatch:
                 raise ValueError(
                     f"sequence {i}: kv_slots has {slots.numel()} entries, expected prefix {p} + new {e}"
                 )
+        # every small index array from Python ints in one tensor, split into views: a decode step
+        # is built at every step, and each torch op here costs several microseconds
         flat_ids = [t for ids in new_token_ids for t in ids]
-        positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)])
-        kv_indices = torch.cat([s.to(torch.int64).cpu() for s in kv_slots])
-        seq_lens = torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens)])
-        kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
-        kv_indptr[1:] = seq_lens.cumsum(0)
-        qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
-        qo_indptr[1:] = torch.tensor(extend_lens).cumsum(0)
-        out_slots = torch.cat([s.to(torch.int64).cpu()[p:] for p, s in zip(prefix_lens, kv_slots)])
+        positions = [q for p, e in zip(prefix_lens, extend_lens) for q in range(p, p + e)]
+        qo_indptr = [0, *itertools.accumulate(extend_lens)]
+        kv_indptr = [0, *itertools.accumulate(p + e for p, e in zip(prefix_lens, extend_lens))]
+        num_tokens, num_seqs = len(flat_ids), len(extend_lens)
+        small = torch.tensor(flat_ids + positions + qo_indptr + kv_indptr, dtype=torch.int64)
+        ids_t, positions_t, qo_t, kv_t = small.split([num_tokens, num_tokens, num_seqs + 1, num_seqs + 1])
+        slots_cpu = [s.to(torch.int64).cpu() for s in kv_slots]
+        kv_indices = torch.cat(slots_cpu)
+        out_slots = torch.cat([s[p:] for p, s in zip(prefix_lens, slots_cpu)])
         return cls(
-            input_ids=torch.tensor(flat_ids, dtype=torch.int64, device=device),
-            positions=positions.to(device),
+            input_ids=ids_t.to(device),
+            positions=positions_t.to(device),
             out_slots=out_slots.to(device),
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             kv_indices=kv_indices.to(device),
-            qo_indptr=qo_indptr,
-            kv_indptr=kv_indptr,
+            qo_indptr=qo_t,
+            kv_indptr=kv_t,
         )
 
     @property

@@ -467,12 +467,12 @@ class DecodeStack:
 
 
 class RowStats:
-    """`radixrt_row_stats`: each row's first argmax and log-sum-exp, for sampling."""
+    """`radixrt_row_stats`: each row's first argmax, its value, and the log-sum-exp, for sampling."""
 
     def __init__(self, library: ctypes.CDLL):
         self._fn = library.radixrt_row_stats
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [pointer, i64, i64, i64, pointer, pointer, ctypes.c_int]
+        self._fn.argtypes = [pointer, i64, i64, i64, pointer, pointer, pointer, ctypes.c_int]
         self._fn.restype = None
 
     @staticmethod
@@ -481,14 +481,16 @@ class RowStats:
         return (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
                 and logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1])
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(argmax [B] int64: the first index of each row's largest value, log-sum-exp [B] float32)
-        of float32 logits [B, V] (`takes`). Rows without a finite value have no meaningful result."""
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(argmax [B] int64: the first index of each row's largest value, that value [B] float32,
+        log-sum-exp [B] float32) of float32 logits [B, V] (`takes`). Rows without a finite value
+        have no meaningful result."""
         rows, cols = logits.shape
         argmax = torch.empty(rows, dtype=torch.int64)
-        lse = torch.empty(rows, dtype=torch.float32)
-        self._fn(logits.data_ptr(), rows, cols, logits.stride(0), argmax.data_ptr(), lse.data_ptr(), _threads())
-        return argmax, lse
+        stats = torch.empty(2, rows, dtype=torch.float32)  # the maxima and log-sum-exps, one allocation
+        self._fn(logits.data_ptr(), rows, cols, logits.stride(0), argmax.data_ptr(), stats[0].data_ptr(),
+                 stats[1].data_ptr(), _threads())  # fmt: skip
+        return argmax, stats[0], stats[1]
 
 
 class KVStore:
