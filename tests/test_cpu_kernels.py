@@ -224,3 +224,34 @@ def test_rowwise_matmul_refuses_mismatched_inputs_by_name():
         matmul(torch.ones(2, 8), torch.ones(4, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="unit stride along K"):
         matmul(torch.ones(8, 2).t(), torch.ones(4, 8))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tiles", [1, 2, 3, 7, 15, 16, 17, 31, 33, 40])
+def test_quantized_matmul_gives_a_row_the_same_bits_in_any_batch_and_blocking(bits, tiles):
+    """A single row runs in blocks of up to 16 tiles (16, 8, 4, 2, 1: whatever is left of a
+    thread's share), several rows in blocks of about 8 chains: a row's result is the same bits
+    however it is blocked, and is the dense product of the file's weights."""
+    kernel = cpu.quantized_matmul()
+    if kernel is None:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    num_rows, num_cols = 16 * tiles, 96
+    generator = torch.Generator().manual_seed(tiles * bits)
+    groups = num_cols // 32
+    scales = (torch.rand(num_rows, groups, generator=generator) * 0.02).half()
+    if bits == 4:
+        codes = torch.randint(0, 16, (num_rows, num_cols), generator=generator, dtype=torch.uint8)
+        offsets = (torch.randn(num_rows, groups, generator=generator) * 0.05).half()
+        packed = kernel.pack_int4(codes, scales, offsets)
+        dense = codes.float() * scales.float().repeat_interleave(32, 1) + offsets.float().repeat_interleave(32, 1)
+    else:
+        codes = torch.randint(-128, 128, (num_rows, num_cols), generator=generator, dtype=torch.int8)
+        packed = kernel.pack_int8(codes, scales)
+        dense = codes.float() * scales.float().repeat_interleave(32, 1)
+    x = torch.randn(9, num_cols, generator=generator).bfloat16()
+    together = kernel(x, packed, out=torch.empty(9, num_rows))
+    for i in (0, 4, 8):
+        alone = kernel(x[i : i + 1], packed, out=torch.empty(1, num_rows))
+        assert torch.equal(alone[0], together[i]), f"row {i}"
+    torch.testing.assert_close(together, x.float() @ dense.t(), atol=1e-3, rtol=1e-3)
