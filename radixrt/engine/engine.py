@@ -100,7 +100,7 @@ class Engine:
             [r.slots[: r.num_computed + n] for r, n in batch.items],
             device=self.device,
         )
-        plan = LogitPlan.build(batch.items, forward_batch.qo_indptr.tolist())
+        plan = LogitPlan.build(batch.items, forward_batch.qo_offsets)
         logits = self.runner.forward(forward_batch, torch.tensor(plan.rows, dtype=torch.int64, device=self.device))
         self.num_computed_tokens += forward_batch.num_tokens
         for req in batch.admitted:

@@ -65,7 +65,7 @@ class PageTable:
 
 def build_page_table(batch: ForwardBatch, seq_ids: Sequence[int], page_size: int) -> PageTable:
     """Page table of the sequences `seq_ids` of `batch` (their slots are whole pages in order)."""
-    kv_indptr = batch.kv_indptr.tolist()
+    kv_indptr = batch.kv_offsets
     num_pages = [-(-batch.seq_lens[i] // page_size) for i in seq_ids]
     indptr = torch.zeros(len(seq_ids) + 1, dtype=torch.int32)
     indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)

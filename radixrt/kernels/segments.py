@@ -47,8 +47,8 @@ class AttentionSegments:
 
 def attention_segments(batch: ForwardBatch, shared_prefix_min_tokens: int) -> AttentionSegments:
     """Full causal attention of every new token of `batch` (no sliding window) as segments."""
-    kv_starts = batch.kv_indptr[:-1].tolist()
-    q_starts = batch.qo_indptr[:-1].tolist()
+    kv_starts = batch.kv_offsets[:-1]
+    q_starts = batch.qo_offsets[:-1]
     shared = []
     if batch.num_seqs > 1:
         shared = find_shared_prefixes(batch.kv_indices, kv_starts, batch.prefix_lens, shared_prefix_min_tokens)
@@ -95,8 +95,8 @@ def aligned_attention_segments(
     several sequences share is one segment for all their rows that see it,
     read once, as in `attention_segments`.
     """
-    kv_starts = batch.kv_indptr[:-1].tolist()
-    q_starts = batch.qo_indptr[:-1].tolist()
+    kv_starts = batch.kv_offsets[:-1]
+    q_starts = batch.qo_offsets[:-1]
     shared_chunks: dict[int, tuple[int, int]] = {}  # sequence -> (its group's first member, shared whole chunks)
     if batch.num_seqs > 1:
         for prefix in find_shared_prefixes(batch.kv_indices, kv_starts, batch.prefix_lens, shared_prefix_min_tokens):

@@ -155,8 +155,8 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
 
     def plan(self, batch: ForwardBatch, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:
         device = self.kv_cache.device
-        kv_starts = batch.kv_indptr[:-1].tolist()
-        q_starts = batch.qo_indptr[:-1].tolist()
+        kv_starts = batch.kv_offsets[:-1]
+        q_starts = batch.qo_offsets[:-1]
         seqs = list(zip(range(batch.num_seqs), batch.prefix_lens, batch.extend_lens, kv_starts, q_starts))
         shared = []
         if len(seqs) > 1:

@@ -90,7 +90,7 @@ class TritonAttentionBackend(AttentionBackend["TritonPlan"]):
         )
 
     def _plan_decode(self, batch: ForwardBatch, ids: Sequence[int], dropped: Sequence[int]) -> DecodePlan:
-        qo_indptr, kv_indptr = batch.qo_indptr.tolist(), batch.kv_indptr.tolist()
+        qo_indptr, kv_indptr = batch.qo_offsets, batch.kv_offsets
         seq_lens = [batch.seq_lens[i] - dropped[i] for i in ids]
         kv_starts = [kv_indptr[i] + dropped[i] for i in ids]
         rows = _int32_rows([[qo_indptr[i] for i in ids], kv_starts, seq_lens], self.kv_cache.device)
@@ -119,7 +119,7 @@ class TritonAttentionBackend(AttentionBackend["TritonPlan"]):
         return max(1, min(wanted, tiles, self._kernels.MAX_KV_SPLITS))
 
     def _plan_extend(self, batch: ForwardBatch, ids: Sequence[int], dropped: Sequence[int]) -> ExtendPlan:
-        qo_indptr, kv_indptr = batch.qo_indptr.tolist(), batch.kv_indptr.tolist()
+        qo_indptr, kv_indptr = batch.qo_offsets, batch.kv_offsets
         extend_lens = [batch.extend_lens[i] for i in ids]
         prefix_lens = [batch.prefix_lens[i] - dropped[i] for i in ids]
         rows = _int32_rows(
