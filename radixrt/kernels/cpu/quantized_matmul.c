@@ -75,8 +75,8 @@ static inline uint32_t load_pair(const uint16_t *p) {
 /*
  * NT consecutive tiles times MB rows of x, NT * MB independent chains of dot
  * products (one per tile and row, in a fixed order), so that 6-8 chains hide
- * the instruction's latency at any M: at least 8 tiles at M = 1, 1 tile at M >= 5.
- * Each tile's codes are a stream of their own in memory: a single row (a batch-1
+ * the instruction's latency: 2-4 tiles at M = 2-4, 1 tile at M >= 5. Each
+ * tile's codes are a stream of their own in memory: a single row (a batch-1
  * step, memory-bound) takes up to 16 tiles at once, so that enough of the
  * weight is in flight from memory (tiles_per_block).
  */
