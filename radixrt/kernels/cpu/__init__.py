@@ -456,10 +456,11 @@ class DecodeStack:
         if status == -3:
             raise IndexError(f"a K/V slot is outside the pool of {num_slots} slots")
         if status == -4:
-            raise IndexError(
-                f"a token id outside the embedding's {embedding.shape[0]} rows, a position outside the RoPE "
-                f"tables' {cos.shape[0]} or a logit row outside the step's {hidden.shape[0]}"
-            )
+            raise IndexError(f"a token id outside the embedding's rows 0 .. {embedding.shape[0] - 1}")
+        if status == -5:
+            raise IndexError(f"a position outside the RoPE tables' rows 0 .. {cos.shape[0] - 1}")
+        if status == -6:
+            raise IndexError(f"a logit row outside the step's rows 0 .. {hidden.shape[0] - 1}")
         if status == -1:
             raise ValueError(f"decode stack kernel refused heads {heads}")
         if status:

@@ -119,7 +119,8 @@ static void layer(const Team *team, const Step *st, const void *const *weights, 
  * logits [num_logit_rows, head_rows] fp32 = rms_norm(hidden[logit_rows[i]], final_norm) @
  * head.T (head packed with head_bits bits); hidden is left after the last layer either way.
  * Returns 0, -1 for a shape the kernels do not take, -2 without memory, -3 for a slot outside
- * the pools, -4 for a token id, position or logit row out of range (nothing computed).
+ * the pools, -4 for a token id outside the embedding, -5 for a position outside the tables, -6 for a
+ * logit row outside the step (nothing computed).
  */
 int radixrt_int4_decode_stack_bf16(
     const int64_t *token_ids, const uint16_t *embedding, int64_t vocab, uint16_t *hidden, int64_t rows, int64_t dim,
@@ -139,11 +140,13 @@ int radixrt_int4_decode_stack_bf16(
     for (int s = 0; s < num_segments; s++)
         for (int64_t j = 0; j < seg_lens[s]; j++)
             if (kv_indices[seg_starts[s] + j] < 0 || kv_indices[seg_starts[s] + j] >= num_slots) return -3;
-    for (int64_t r = 0; r < rows; r++)
-        if (token_ids[r] < 0 || token_ids[r] >= vocab || positions[r] < 0 || positions[r] >= table_rows) return -4;
+    for (int64_t r = 0; r < rows; r++) {
+        if (token_ids[r] < 0 || token_ids[r] >= vocab) return -4;
+        if (positions[r] < 0 || positions[r] >= table_rows) return -5;
+    }
     if (head == NULL) num_logit_rows = 0;
     for (int64_t i = 0; i < num_logit_rows; i++)
-        if (logit_rows[i] < 0 || logit_rows[i] >= rows) return -4;
+        if (logit_rows[i] < 0 || logit_rows[i] >= rows) return -6;
     Segments seg = {num_segments, seg_starts, seg_lens, seg_row_ptr, seg_rows, num_q_heads, num_kv_heads, head_dim};
     Step st = {
         rows, dim, (int64_t)(num_q_heads + 2 * num_kv_heads) * head_dim, (int64_t)num_q_heads * head_dim,
