@@ -175,18 +175,24 @@ def _summed_in_float32(parts: list[Linear]) -> Linear:
     return linear
 
 
-def by_rows(small: Linear, large: Linear, max_small_rows: int) -> Linear:
+class ByRows:
     """`small` for inputs of at most `max_small_rows` rows, else `large`.
 
     torch's 4-bit CPU kernel wins where reading the weights dominates (decode
     of a few sequences) and loses to the dense bf16 GEMM on prefill-sized
-    inputs (bench/model_bench.py: 0.63x on a 512-token prefill).
+    inputs (bench/model_bench.py: 0.63x on a 512-token prefill). `choose`
+    says which a number of rows gets, for a caller that runs it elsewhere (the
+    whole-step kernel takes the LM head into its own call).
     """
 
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        return small(x) if x.numel() <= max_small_rows * x.shape[-1] else large(x)
+    def __init__(self, small: Linear, large: Linear, max_small_rows: int):
+        self.small, self.large, self.max_small_rows = small, large, max_small_rows
 
-    return linear
+    def choose(self, num_rows: int) -> Linear:
+        return self.small if num_rows <= self.max_small_rows else self.large
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.choose(x.numel() // x.shape[-1])(x)
 
 
 # The packing parameter torch's CPU int4 kernel takes; it accepts 2 for every K that is a multiple of 32.

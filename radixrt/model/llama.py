@@ -192,10 +192,10 @@ class LlamaDecoderLayer(nn.Module):
                 return  # the dense projections stay for larger steps
         dtype = self.input_norm.dtype
         rows = INT4_MAX_ROWS
-        self.qkv = linear.by_rows(linear.int4(weights["qkv"], dtype, self.qkv_bias), self.qkv, rows)
-        self.o = linear.by_rows(linear.int4(weights["o"], dtype, self.o_bias), self.o, rows)
-        self.gate_up = linear.by_rows(linear.int4(weights["gate_up"], dtype), self.gate_up, rows)
-        self.down = linear.by_rows(linear.int4(weights["down"], dtype), self.down, rows)
+        self.qkv = linear.ByRows(linear.int4(weights["qkv"], dtype, self.qkv_bias), self.qkv, rows)
+        self.o = linear.ByRows(linear.int4(weights["o"], dtype, self.o_bias), self.o, rows)
+        self.gate_up = linear.ByRows(linear.int4(weights["gate_up"], dtype), self.gate_up, rows)
+        self.down = linear.ByRows(linear.int4(weights["down"], dtype), self.down, rows)
 
     def forward(
         self,
@@ -340,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
             if head.shape != tuple(self.lm_head.shape):
                 raise ValueError(f"quantized LM head shape {head.shape}, model expects {tuple(self.lm_head.shape)}")
             self._invariant_lm_head = linear.lm_head(head, self.dtype)
-            self._lm_head = linear.by_rows(self._invariant_lm_head, self._lm_head, INT4_MAX_ROWS)
+            self._lm_head = linear.ByRows(self._invariant_lm_head, self._lm_head, INT4_MAX_ROWS)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LlamaForCausalLM:
         """After `.to()` and the like, the norm is the one the new dtype and device get at
@@ -469,9 +469,8 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [len(logit_rows), vocab_size] of rows of the step: `forward`, those rows,
         `compute_logits`. A step the whole-stack kernel takes, with the file's own LM head in
         radixrt's layout, runs all of it in one C call."""
-        head = self._invariant_lm_head
-        if (isinstance(plans, StackedStep) and isinstance(head, linear.PackedLMHead)
-                and (deterministic or logit_rows.shape[0] <= INT4_MAX_ROWS)):  # where `_lm_head` is that head too
+        head = self._head_for(logit_rows.shape[0], deterministic)
+        if isinstance(plans, StackedStep) and isinstance(head, linear.PackedLMHead):
             assert self._stack is not None
             return self._stack.logits(self.embed_tokens, self._rope_tables(batch), batch, backend.kv_cache,
                                       plans.segments, plans.scale, self.norm, head.packed, logit_rows.contiguous())
@@ -486,11 +485,15 @@ class LlamaForCausalLM(nn.Module):
         config says, in float32). `deterministic`: through the head that rounds a row the same for
         any N (native weights: the file's own; the dense one, faster for many rows, rounds the
         weights differently)."""
-        head = self._invariant_lm_head if deterministic else self._lm_head
-        assert head is not None, "check deterministic_problem first"
-        logits = head(hidden_rows).float()
+        logits = self._head_for(hidden_rows.shape[0], deterministic)(hidden_rows).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else gemma.soft_cap(logits, cap)
+
+    def _head_for(self, num_rows: int, deterministic: bool) -> linear.Linear:
+        """The LM head `compute_logits` multiplies `num_rows` rows by."""
+        head = self._invariant_lm_head if deterministic else self._lm_head
+        assert head is not None, "check deterministic_problem first"
+        return head.choose(num_rows) if isinstance(head, linear.ByRows) else head
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], projections: bool = True) -> None:
