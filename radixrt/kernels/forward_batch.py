@@ -33,10 +33,9 @@ class ForwardBatch:
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64, slots of every sequence, concatenated
-    qo_indptr: torch.Tensor  # [num_seqs + 1] int64, on the CPU
-    kv_indptr: torch.Tensor  # [num_seqs + 1] int64, on the CPU
-    # the same two as Python ints, for index arithmetic without a torch call (each costs
-    # microseconds, more with the caches cold after a step)
+    # [num_seqs + 1] each: where each sequence's new-token rows and slots start, as Python ints
+    # (index arithmetic without a torch call: each costs microseconds, more with the caches cold
+    # after a step); `qo_indptr`, `kv_indptr` give them as tensors
     qo_offsets: tuple[int, ...]
     kv_offsets: tuple[int, ...]
 
@@ -60,15 +59,11 @@ class ForwardBatch:
                 raise ValueError(
                     f"sequence {i}: kv_slots has {slots.numel()} entries, expected prefix {p} + new {e}"
                 )
-        # every small index array from Python ints in one tensor, split into views: a decode step
-        # is built at every step, and each torch op here costs several microseconds
+        # the ids and positions from Python ints in one tensor, split into views: a batch is built
+        # at every step, and each torch op here costs several microseconds
         flat_ids = [t for ids in new_token_ids for t in ids]
         positions = [q for p, e in zip(prefix_lens, extend_lens) for q in range(p, p + e)]
-        qo_indptr = [0, *itertools.accumulate(extend_lens)]
-        kv_indptr = [0, *itertools.accumulate(p + e for p, e in zip(prefix_lens, extend_lens))]
-        num_tokens, num_seqs = len(flat_ids), len(extend_lens)
-        small = torch.tensor(flat_ids + positions + qo_indptr + kv_indptr, dtype=torch.int64)
-        ids_t, positions_t, qo_t, kv_t = small.split([num_tokens, num_tokens, num_seqs + 1, num_seqs + 1])
+        ids_t, positions_t = torch.tensor(flat_ids + positions, dtype=torch.int64).split(len(flat_ids))
         slots_cpu = [s.to(torch.int64).cpu() for s in kv_slots]
         kv_indices = torch.cat(slots_cpu)
         out_slots = torch.cat([s[p:] for p, s in zip(prefix_lens, slots_cpu)])
@@ -79,11 +74,19 @@ class ForwardBatch:
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             kv_indices=kv_indices.to(device),
-            qo_indptr=qo_t,
-            kv_indptr=kv_t,
-            qo_offsets=tuple(qo_indptr),
-            kv_offsets=tuple(kv_indptr),
+            qo_offsets=(0, *itertools.accumulate(extend_lens)),
+            kv_offsets=(0, *itertools.accumulate(p + e for p, e in zip(prefix_lens, extend_lens))),
         )
+
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        """`qo_offsets` as an int64 tensor on the CPU."""
+        return torch.tensor(self.qo_offsets, dtype=torch.int64)
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        """`kv_offsets` as an int64 tensor on the CPU."""
+        return torch.tensor(self.kv_offsets, dtype=torch.int64)
 
     @property
     def num_seqs(self) -> int:
@@ -120,4 +123,4 @@ class ForwardBatch:
     @property
     def last_token_rows(self) -> torch.Tensor:
         """Row of each sequence's last new token in the flattened new tokens."""
-        return self.qo_indptr[1:] - 1
+        return torch.tensor([start - 1 for start in self.qo_offsets[1:]], dtype=torch.int64)
