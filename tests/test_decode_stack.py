@@ -19,7 +19,7 @@ from radixrt.model.linear import PackedLMHead
 from radixrt.model.llama import INT4_MAX_ROWS, STACK_MAX_ROWS, LlamaForCausalLM, StackedStep
 from radixrt.model.runner import ModelRunner
 from tests.conftest import randomize_weights
-from tests.test_model import ours_from
+from tests.test_model import prepacked
 from tests.test_native_weights import random_int4, random_int8
 from tests.test_torch_backend import reference
 
@@ -36,8 +36,7 @@ def native_llama(vocab_size: int = VOCAB, quantized_head: bool = False) -> Llama
     )  # fmt: skip
     hf_model = transformers.LlamaForCausalLM(config)
     randomize_weights(hf_model, seed=0)
-    ours = ours_from(hf_model).to(torch.bfloat16)
-    ours.prepack()
+    ours = prepacked(hf_model, torch.bfloat16)
     config = ours.config
     shapes = {
         "qkv": ((config.num_heads + 2 * config.num_kv_heads) * config.head_dim, config.hidden_size),

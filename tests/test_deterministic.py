@@ -37,17 +37,10 @@ from radixrt.model.runner import ModelRunner
 from radixrt.runtime import Runtime
 from tests.conftest import TINY_VOCAB, randomize_weights
 from tests.test_decode_stack import native_llama
-from tests.test_model import ours_from
+from tests.test_model import ours_from, prepacked
 from tests.test_model_families import FAMILIES
 
 CHUNK = 256  # kernels/cpu/decode_attention.c's CHUNK: prompts here cross it
-
-
-def prepacked(hf_model: transformers.PreTrainedModel, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Our model on `hf_model`'s weights in `dtype`, packed as the loader packs it."""
-    ours = ours_from(hf_model).to(dtype)
-    ours.prepack()
-    return ours
 
 
 def dense_llama(dtype: torch.dtype) -> LlamaForCausalLM:

@@ -70,6 +70,13 @@ def ours_from(hf_model: transformers.PreTrainedModel) -> LlamaForCausalLM:
     return model
 
 
+def prepacked(hf_model: transformers.PreTrainedModel, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Our model on `hf_model`'s weights in `dtype`, packed as the loader packs it."""
+    ours = ours_from(hf_model).to(dtype)
+    ours.prepack()
+    return ours
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_prefill_logits_match_transformers(variant, make_tiny_hf_model, make_runner):
     architecture, overrides = VARIANTS[variant]
