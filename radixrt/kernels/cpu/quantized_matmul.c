@@ -140,8 +140,9 @@ static inline __attribute__((always_inline)) void tile_block(
  * row: 16, 8, 4, 2 or 1 tiles, the most there are left, each an independent stream of codes in
  * memory. Measured on the project's 2-core Zen 4 VM, one row times four 17.7 MB 4-bit weights in
  * turn on 2 threads, at times when a float32 sum read 52-71 GB/s: 8 tiles read 28-32 GB/s, 16
- * 35-41, 24 53-56 but 32 42-48 (the accumulators spill); in a whole batch-1 step of the bundled
- * model (two builds in one process, alternating) 16 took 2% less time than 8 and 24 none.
+ * 35-41, 24 53-56 but 32 42-48 (more accumulators than vector registers); in a whole batch-1
+ * step of the bundled model (two builds in one process, alternating) 16 took 2% less time than 8
+ * and 24 none.
  */
 static inline int tiles_per_block(int mb, int64_t left) {
     if (mb == 1) {
