@@ -252,9 +252,9 @@ class QuantizedMatmul:
     def pack_int8(self, codes: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
         """w = codes * scales (codes [N, K] int8; scales [N, K // 32], exact in fp16) in the kernel's layout."""
         tiles, groups = self._tiles(codes)
-        # k = 32 g + 4 c + 2 h + e; chunk c holds h-major 32-byte halves of (row, e) pairs
-        chunks = codes.view(torch.uint8).reshape(tiles, self.TILE_ROWS, groups, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
-        blocks = torch.cat([chunks.reshape(tiles, groups, -1), self._fp16_rows(scales, tiles, groups)], -1)
+        # k = 32 g + 4 c + j: vector c holds (row, j) bytes, stored unsigned as q + 128
+        unsigned = (codes.view(torch.uint8) ^ 0x80).reshape(tiles, self.TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)
+        blocks = torch.cat([unsigned.reshape(tiles, groups, -1), self._fp16_rows(scales, tiles, groups)], -1)
         return PackedWeight(blocks.contiguous(), 8, codes.shape[0])
 
     def _tiles(self, codes: torch.Tensor) -> tuple[int, int]:

@@ -57,7 +57,7 @@ typedef struct {
     for (int64_t i = i##_first; i < i##_last; i++)
 
 static void layer(const Team *team, const Step *st, const void *const *weights, uint16_t *k_pool, uint16_t *v_pool,
-                  AttentionWork *work, atomic_long *next_item, uint16_t *hidden, const Buffers *b, float *x_sums) {
+                  AttentionWork *work, atomic_long *next_item, uint16_t *hidden, const Buffers *b, void *scratch) {
     const int64_t rows = st->rows, dim = st->dim, qkv_rows = st->qkv_rows, inter = st->intermediate;
     const int64_t kv_elems = (int64_t)st->num_kv_heads * st->head_dim;
     {
@@ -65,7 +65,7 @@ static void layer(const Team *team, const Step *st, const void *const *weights, 
             radixrt_rms_norm_row(hidden + r * dim, NULL, weights[INPUT_NORM], b->normed + r * dim, dim, st->eps);
     }
     team_barrier(team);
-    radixrt_quantized_matmul_share(team, b->normed, dim, rows, weights[QKV], 4, qkv_rows, dim, NULL, b->qkv, x_sums);
+    radixrt_quantized_matmul_share(team, b->normed, dim, rows, weights[QKV], 4, qkv_rows, dim, NULL, b->qkv, scratch);
     team_barrier(team);
     {
         FOR_SHARE(team, rows, r) {
@@ -82,7 +82,7 @@ static void layer(const Team *team, const Step *st, const void *const *weights, 
     radixrt_attention_run(team, work, next_item, b->qkv, qkv_rows, k_pool, v_pool, st->kv_indices, st->scale, b->attn,
                           NULL);
     radixrt_quantized_matmul_share(team, b->attn, st->attn_dim, rows, weights[O], 4, dim, st->attn_dim, NULL,
-                                   b->projected, x_sums);
+                                   b->projected, scratch);
     team_barrier(team);
     {
         FOR_SHARE(team, rows, r)
@@ -91,7 +91,7 @@ static void layer(const Team *team, const Step *st, const void *const *weights, 
     }
     team_barrier(team);
     radixrt_quantized_matmul_share(team, b->normed, dim, rows, weights[GATE_UP], 4, 2 * inter, dim, NULL, b->gate_up,
-                                   x_sums);
+                                   scratch);
     team_barrier(team);
     {
         FOR_SHARE(team, rows, r)
@@ -100,7 +100,7 @@ static void layer(const Team *team, const Step *st, const void *const *weights, 
     }
     team_barrier(team);
     radixrt_quantized_matmul_share(team, b->activated, inter, rows, weights[DOWN], 4, dim, inter, NULL, b->projected,
-                                   x_sums);
+                                   scratch);
     team_barrier(team);
     {
         FOR_SHARE(team, rows * dim, i)
@@ -155,25 +155,26 @@ int radixrt_int4_decode_stack_bf16(
     };
     const int64_t widest = dim > st.attn_dim ? (dim > intermediate ? dim : intermediate)
                                              : (st.attn_dim > intermediate ? st.attn_dim : intermediate);
-    const int64_t sums_per_thread = (rows > num_logit_rows ? rows : num_logit_rows) * (widest / 32);
+    const int64_t scratch_per_thread =
+        radixrt_quantized_matmul_scratch_bytes(rows > num_logit_rows ? rows : num_logit_rows, widest);
     Buffers b = {
         malloc(sizeof(uint16_t) * rows * dim), malloc(sizeof(uint16_t) * rows * st.qkv_rows),
         malloc(sizeof(uint16_t) * rows * st.attn_dim), malloc(sizeof(uint16_t) * rows * dim),
         malloc(sizeof(uint16_t) * rows * 2 * intermediate), malloc(sizeof(uint16_t) * rows * intermediate),
     };
     uint16_t *head_input = malloc(sizeof(uint16_t) * (num_logit_rows ? num_logit_rows : 1) * dim);
-    float *x_sums = malloc(sizeof(float) * sums_per_thread * num_threads);
+    char *scratch = malloc((size_t)(scratch_per_thread * num_threads));
     AttentionWork *work = radixrt_attention_work_new(&seg);
     atomic_long *next_items = calloc(num_layers, sizeof(atomic_long));  /* each layer's attention item counter */
     SpinBarrier barrier = {0, 0};
     int status = -2;
-    if (b.normed && b.qkv && b.attn && b.projected && b.gate_up && b.activated && head_input && x_sums && work &&
+    if (b.normed && b.qkv && b.attn && b.projected && b.gate_up && b.activated && head_input && scratch && work &&
         next_items) {
         status = 0;
         #pragma omp parallel num_threads(num_threads)
         {
             Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
-            float *own_sums = x_sums + sums_per_thread * team.thread;
+            char *own_scratch = scratch + scratch_per_thread * team.thread;
             {
                 FOR_SHARE(&team, rows, r)
                     memcpy(hidden + r * dim, embedding + token_ids[r] * dim, sizeof(uint16_t) * (size_t)dim);
@@ -183,7 +184,7 @@ int radixrt_int4_decode_stack_bf16(
                 const void *weights[LAYER_WEIGHTS];
                 for (int w = 0; w < LAYER_WEIGHTS; w++) weights[w] = (const void *)layer_weights[i * LAYER_WEIGHTS + w];
                 layer(&team, &st, weights, (uint16_t *)k_pools[i], (uint16_t *)v_pools[i], work, &next_items[i],
-                      hidden, &b, own_sums);
+                      hidden, &b, own_scratch);
             }
             if (num_logit_rows) {
                 {
@@ -193,13 +194,13 @@ int radixrt_int4_decode_stack_bf16(
                 }
                 team_barrier(&team);
                 radixrt_quantized_matmul_share(&team, head_input, dim, num_logit_rows, head, head_bits, head_rows,
-                                               dim, logits, NULL, own_sums);
+                                               dim, logits, NULL, own_scratch);
             }
         }
     }
     free(next_items);
     radixrt_attention_work_free(work);
-    free(x_sums);
+    free(scratch);
     free(head_input);
     free(b.normed);
     free(b.qkv);

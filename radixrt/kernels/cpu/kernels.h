@@ -82,11 +82,13 @@ void radixrt_rope_row(uint16_t *heads_row, int64_t heads, int64_t head_dim, cons
 /*
  * quantized_matmul.c, called by every thread of a team: this thread's equal share of the
  * weight's tiles, out[r] = x[r] @ w.T for r < m (bf16 when out_bf16 is not NULL, else fp32).
- * x_sums: m * (num_cols / 32) floats of scratch, the thread's own. No barrier at the end.
+ * scratch: radixrt_quantized_matmul_scratch_bytes(m, num_cols) bytes, the thread's own. No
+ * barrier at the end.
  */
 void radixrt_quantized_matmul_share(const Team *team, const uint16_t *x, int64_t x_stride, int64_t m,
                                     const uint8_t *tiles, int bits, int64_t num_rows, int64_t num_cols, float *out,
-                                    uint16_t *out_bf16, float *x_sums);
+                                    uint16_t *out_bf16, void *scratch);
+int64_t radixrt_quantized_matmul_scratch_bytes(int64_t m, int64_t num_cols);
 
 /*
  * decode_attention.c: attention of query rows over runs of pool slots ("segments"), merged per

@@ -17,9 +17,26 @@
  *
  * Products of bf16 values are exact in float32 and the codes are exact, so
  * this is the file's weight times x with float32 accumulation; nothing is
- * rounded to bf16 but the output. Every row runs the same instruction
- * sequence whatever M and the blocking are, so a row's result does not
- * depend on the batch it is in.
+ * rounded to bf16 but the output.
+ *
+ * 8-bit codes cost 8 instructions per 64 weights that way (widen, convert
+ * to float32, narrow to bf16) and bound the LM head's product by
+ * instructions rather than memory. They take integer dot products instead,
+ * used as loaded: VPDPBUSD multiplies 64 unsigned bytes by 64 signed ones
+ * and adds them in fours. Each row's inputs become 16-bit integers per group
+ * of 32, x ~ s * x16, s = max|x| / 32639, split into two signed bytes,
+ * x16 = 256 hi + lo, so a group's sum is s * (256 sum q hi + sum q lo), two
+ * dot products per vector of codes, exact in 32 bits. The rounding of x to
+ * x16 is at most s / 2 per input, 1/128 of bf16's own spacing near a group's
+ * largest input. (Bytes alone, x8 with s = max|x| / 127 as llama.cpp does,
+ * would take one dot product, and every product 5-30% less time on this
+ * VM; but they changed the bundled model's greedy output from the first
+ * tokens on: 0 of 20 chat answers of 64 tokens equal to the dense bf16
+ * weights' against 8 of 20 with bf16 inputs. The 4-bit codes keep bf16: with
+ * two byte planes their products were no faster.)
+ *
+ * Every row runs the same instruction sequence whatever M and the blocking
+ * are, so a row's result does not depend on the batch it is in.
  *
  * Layout (`QuantizedMatmul.pack_*` in Python): the N rows in tiles of 16,
  * vector lanes running over the tile's rows; a group's 32 inputs in 8
@@ -29,8 +46,8 @@
  *   4-bit, 320 bytes: 8 chunks of 32 bytes, byte 2n + e (row n, e in 0..1):
  *       low nibble q[n][32g + 4c + e], high nibble q[n][32g + 4c + 2 + e];
  *       16 fp16 scales d, 16 fp16 offsets m
- *   8-bit, 544 bytes: 8 chunks of 64 bytes: byte 2n + e = q[n][32g + 4c + e],
- *       byte 32 + 2n + e = q[n][32g + 4c + 2 + e]; 16 fp16 scales d
+ *   8-bit, 544 bytes: 8 vectors of 64 bytes, the operand layout of VPDPBUSD:
+ *       vector c byte 4n + j = q[n][32g + 4c + j] + 128 (unsigned); 16 fp16 scales d
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,8 +61,16 @@
 #define CHUNKS 8
 #define CHUNK_BYTES(bits) ((bits) == 4 ? 32 : 64)
 #define BLOCK_BYTES(bits) (CHUNKS * CHUNK_BYTES(bits) + ((bits) == 4 ? 2 : 1) * TILE_ROWS * 2)
+#define MAX_BYTE_BLOCK_TILES 8  /* 8-bit codes: two accumulators a tile (tiles_per_block) */
+#define X16_MAX 32639  /* 127 * 256 + 127: hi = (x16 + 128) >> 8 stays in -127..127 */
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+/* Scratch for m rows of K inputs: 4-bit, each group's sum x; 8-bit, x16's two bytes and each
+ * group's s and sum x16. */
+int64_t radixrt_quantized_matmul_scratch_bytes(int64_t m, int64_t num_cols) {
+    return m * (2 * num_cols + (num_cols / GROUP) * (int64_t)(sizeof(float) + sizeof(int32_t)));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #include <omp.h>
 
@@ -59,69 +84,16 @@ static const uint16_t CODE_TABLE[32] = {
     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
 };
 
-/* 16 signed bytes as bf16 integers (exact), via float32: AVX512-BF16 has no integer conversion. */
-static inline __m512bh int8_to_bf16(const uint8_t *bytes) {
-    __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes)));
-    __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16))));
-    return _mm512_cvtne2ps_pbh(second, first);
-}
-
 static inline uint32_t load_pair(const uint16_t *p) {
     uint32_t v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/*
- * NT consecutive tiles times MB rows of x, NT * MB independent chains of dot
- * products (one per tile and row, in a fixed order), so that 6-8 chains hide
- * the instruction's latency: 2-4 tiles at M = 2-4, 1 tile at M >= 5. Each
- * tile's codes are a stream of their own in memory: a single row (a batch-1
- * step, memory-bound) takes up to 16 tiles at once, so that enough of the
- * weight is in flight from memory (tiles_per_block).
- */
-static inline __attribute__((always_inline)) void tile_block(
-    const uint8_t *tiles, int64_t groups, const uint16_t *x, int64_t x_stride, const float *x_sums,
-    int64_t tile, int nt, int mb, int bits, float *out, int64_t out_stride, uint16_t *out_bf16
+/* A block's results, tile t and row r in acc[t][r]: bf16 when out_bf16 is not NULL, else fp32. */
+static inline __attribute__((always_inline)) void store_block(
+    __m512 acc[][8], int nt, int mb, int64_t tile, float *out, int64_t out_stride, uint16_t *out_bf16
 ) {
-    const __m512i table = _mm512_loadu_si512(CODE_TABLE);
-    __m512 acc[MAX_BLOCK_TILES][8];
-    _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++)
-        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) acc[t][r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m512 dots[MAX_BLOCK_TILES][8];
-        _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++)
-            _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dots[t][r] = _mm512_setzero_ps();
-        for (int c = 0; c < CHUNKS; c++) {
-            _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++) {
-                const uint8_t *chunk = tiles + ((tile + t) * groups + g) * BLOCK_BYTES(bits) + CHUNK_BYTES(bits) * c;
-                __m512bh low_codes, high_codes;
-                if (bits == 4) {
-                    __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)chunk));
-                    low_codes = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
-                    high_codes = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
-                } else {
-                    low_codes = int8_to_bf16(chunk);
-                    high_codes = int8_to_bf16(chunk + 32);
-                }
-                _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
-                    const uint16_t *xs = x + r * x_stride + g * GROUP + 4 * c;
-                    dots[t][r] = _mm512_dpbf16_ps(dots[t][r], low_codes, (__m512bh)_mm512_set1_epi32(load_pair(xs)));
-                    dots[t][r] = _mm512_dpbf16_ps(dots[t][r], high_codes, (__m512bh)_mm512_set1_epi32(load_pair(xs + 2)));
-                }
-            }
-        }
-        _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++) {
-            const uint8_t *scales = tiles + ((tile + t) * groups + g) * BLOCK_BYTES(bits) + CHUNKS * CHUNK_BYTES(bits);
-            __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
-            _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) acc[t][r] = _mm512_fmadd_ps(scale, dots[t][r], acc[t][r]);
-            if (bits == 4) {
-                __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
-                _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
-                    acc[t][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[r * groups + g]), acc[t][r]);
-            }
-        }
-    }
     _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++) {
         _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
             int64_t column = (tile + t) * TILE_ROWS;
@@ -136,17 +108,63 @@ static inline __attribute__((always_inline)) void tile_block(
 }
 
 /*
+ * 4-bit codes: NT consecutive tiles times MB rows of x, NT * MB independent chains of dot
+ * products (one per tile and row, in a fixed order), so that 6-8 chains hide
+ * the instruction's latency: 2-4 tiles at M = 2-4, 1 tile at M >= 5. Each
+ * tile's codes are a stream of their own in memory: a single row (a batch-1
+ * step, memory-bound) takes up to 16 tiles at once, so that enough of the
+ * weight is in flight from memory (tiles_per_block).
+ */
+static inline __attribute__((always_inline)) void nibble_block(
+    const uint8_t *tiles, int64_t groups, const uint16_t *x, int64_t x_stride, const float *x_sums,
+    int64_t tile, int nt, int mb, float *out, int64_t out_stride, uint16_t *out_bf16
+) {
+    const int bits = 4;
+    const __m512i table = _mm512_loadu_si512(CODE_TABLE);
+    __m512 acc[MAX_BLOCK_TILES][8];
+    _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++)
+        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) acc[t][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 dots[MAX_BLOCK_TILES][8];
+        _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++)
+            _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dots[t][r] = _mm512_setzero_ps();
+        for (int c = 0; c < CHUNKS; c++) {
+            _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++) {
+                const uint8_t *chunk = tiles + ((tile + t) * groups + g) * BLOCK_BYTES(bits) + CHUNK_BYTES(bits) * c;
+                __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)chunk));
+                __m512bh low_codes = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
+                __m512bh high_codes = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+                _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
+                    const uint16_t *xs = x + r * x_stride + g * GROUP + 4 * c;
+                    dots[t][r] = _mm512_dpbf16_ps(dots[t][r], low_codes, (__m512bh)_mm512_set1_epi32(load_pair(xs)));
+                    dots[t][r] = _mm512_dpbf16_ps(dots[t][r], high_codes, (__m512bh)_mm512_set1_epi32(load_pair(xs + 2)));
+                }
+            }
+        }
+        _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++) {
+            const uint8_t *scales = tiles + ((tile + t) * groups + g) * BLOCK_BYTES(bits) + CHUNKS * CHUNK_BYTES(bits);
+            __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+            _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) acc[t][r] = _mm512_fmadd_ps(scale, dots[t][r], acc[t][r]);
+            __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
+            _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
+                acc[t][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[r * groups + g]), acc[t][r]);
+        }
+    }
+    store_block(acc, nt, mb, tile, out, out_stride, out_bf16);
+}
+
+/*
  * Tiles in the next block for mb rows, `left` tiles to go. Several rows: about 8 chains. One
  * row: 16, 8, 4, 2 or 1 tiles, the most there are left, each an independent stream of codes in
  * memory. Measured on the project's 2-core Zen 4 VM, one row times four 17.7 MB 4-bit weights in
  * turn on 2 threads, at times when a float32 sum read 52-71 GB/s: 8 tiles read 28-32 GB/s, 16
  * 35-41, 24 53-56 but 32 42-48 (more accumulators than vector registers); in a whole batch-1
  * step of the bundled model (two builds in one process, alternating) 16 took 2% less time than 8
- * and 24 none.
+ * and 24 none. 8-bit codes keep two accumulators a tile: 8 tiles at most.
  */
-static inline int tiles_per_block(int mb, int64_t left) {
+static inline int tiles_per_block(int mb, int bits, int64_t left) {
     if (mb == 1) {
-        int nt = MAX_BLOCK_TILES;
+        int nt = bits == 4 ? MAX_BLOCK_TILES : MAX_BYTE_BLOCK_TILES;
         while (nt > left) nt /= 2;
         return nt;
     }
@@ -154,23 +172,119 @@ static inline int tiles_per_block(int mb, int64_t left) {
     return nt <= left ? nt : 1;
 }
 
+typedef struct {
+    int8_t *hi, *lo;  /* [m][K]: x16 = 256 hi + lo */
+    float *scale;  /* [m][groups]: s */
+    int32_t *sum16;  /* [m][groups]: sum x16 */
+} ByteRows;
+
+/* The m rows of x as 16-bit integers in two byte planes (see the top of the file). */
+static ByteRows byte_rows(const uint16_t *x, int64_t x_stride, int64_t m, int64_t num_cols, void *scratch) {
+    const int64_t groups = num_cols / GROUP;
+    int8_t *bytes = scratch;
+    float *scale = (float *)(bytes + 2 * m * num_cols);
+    ByteRows rows = {bytes, bytes + m * num_cols, scale, (int32_t *)(scale + m * groups)};
+    const __m512i limit = _mm512_set1_epi32(X16_MAX), low_limit = _mm512_set1_epi32(-X16_MAX);
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512i raw = _mm512_loadu_si512(x + r * x_stride + g * GROUP);
+            const __m512 halves[2] = {  /* bf16 -> float32: the bits shifted up */
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16)),
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16)),
+            };
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(halves[0]), _mm512_abs_ps(halves[1])));
+            const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? (float)X16_MAX / amax : 0.0f);
+            rows.scale[r * groups + g] = amax / (float)X16_MAX;
+            __m512i total = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                /* |x / s| <= X16_MAX up to the quotient's rounding: clamp before splitting */
+                __m512i x16 = _mm512_cvtps_epi32(_mm512_mul_ps(halves[h], inverse));
+                x16 = _mm512_max_epi32(_mm512_min_epi32(x16, limit), low_limit);
+                const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(x16, _mm512_set1_epi32(128)), 8);
+                const int64_t at = r * num_cols + g * GROUP + 16 * h;
+                _mm_storeu_si128((__m128i *)(rows.hi + at), _mm512_cvtepi32_epi8(hi));
+                _mm_storeu_si128((__m128i *)(rows.lo + at), _mm512_cvtepi32_epi8(_mm512_sub_epi32(x16, _mm512_slli_epi32(hi, 8))));
+                total = _mm512_add_epi32(total, x16);
+            }
+            rows.sum16[r * groups + g] = _mm512_reduce_add_epi32(total);
+        }
+    }
+    return rows;
+}
+
+/* Bytes k .. k + 3 of a plane in every 32-bit lane. */
+static inline __m512i broadcast4(const int8_t *plane) {
+    int32_t v;
+    memcpy(&v, plane, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/*
+ * 8-bit codes: NT consecutive tiles times MB rows of x, in integers (see the top of the file).
+ * For each group, vector by vector, the block's tiles in turn, so that their streams advance
+ * together; a single row takes up to 8 tiles (two accumulators a tile and row: 16 fill half the
+ * vector registers).
+ */
+static inline __attribute__((always_inline)) void byte_block(
+    const uint8_t *tiles, int64_t groups, int64_t num_cols, const ByteRows *rows, int64_t tile, int nt, int mb,
+    float *out, int64_t out_stride, uint16_t *out_bf16
+) {
+    const int64_t tile_stride = groups * BLOCK_BYTES(8);
+    __m512 acc[MAX_BYTE_BLOCK_TILES][8];
+    _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
+        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) acc[t][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = tiles + (tile * groups + g) * BLOCK_BYTES(8);
+        __m512i dot_hi[MAX_BYTE_BLOCK_TILES][8], dot_lo[MAX_BYTE_BLOCK_TILES][8];
+        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
+            _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dot_hi[t][r] = dot_lo[t][r] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int c = 0; c < CHUNKS; c++) {
+            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+                const __m512i codes = _mm512_loadu_si512(group + t * tile_stride + CHUNK_BYTES(8) * c);
+                _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
+                    const int64_t at = r * num_cols + g * GROUP + 4 * c;
+                    dot_hi[t][r] = _mm512_dpbusd_epi32(dot_hi[t][r], codes, broadcast4(rows->hi + at));
+                    dot_lo[t][r] = _mm512_dpbusd_epi32(dot_lo[t][r], codes, broadcast4(rows->lo + at));
+                }
+            }
+        }
+        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+            const uint8_t *scales = group + t * tile_stride + CHUNKS * CHUNK_BYTES(8);
+            const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+            _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
+                /* sum (q + 128) x16 - 128 sum x16 = sum q x16, |.| < 2^28 */
+                const int64_t at = r * groups + g;
+                const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(dot_hi[t][r], 8), dot_lo[t][r]),
+                                                     _mm512_set1_epi32(rows->sum16[at] * 128));
+                acc[t][r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(rows->scale[at])),
+                                            _mm512_cvtepi32_ps(dot), acc[t][r]);
+            }
+        }
+    }
+    store_block(acc, nt, mb, tile, out, out_stride, out_bf16);
+}
+
 /* The block shapes and code widths, each its own unrolled code. */
-static void run_block(const uint8_t *tiles, int64_t groups, const uint16_t *x, int64_t x_stride,
-                      const float *x_sums, int64_t tile, int nt, int mb, int bits, float *out, uint16_t *out_bf16,
-                      int64_t out_stride) {
-#define CASE(NT, MB, BITS) \
-    if (nt == NT && mb == MB && bits == BITS) { \
-        tile_block(tiles, groups, x, x_stride, x_sums, tile, NT, MB, BITS, out, out_stride, out_bf16); \
+static void run_block(const uint8_t *tiles, int64_t groups, int64_t num_cols, const uint16_t *x, int64_t x_stride,
+                      const float *x_sums, const ByteRows *rows, int64_t tile, int nt, int mb, int bits, float *out,
+                      uint16_t *out_bf16, int64_t out_stride) {
+#define NIBBLES(NT, MB) \
+    if (bits == 4 && nt == NT && mb == MB) { \
+        nibble_block(tiles, groups, x, x_stride, x_sums, tile, NT, MB, out, out_stride, out_bf16); \
         return; \
     }
-#define SHAPES(BITS) \
-    CASE(16, 1, BITS) CASE(8, 1, BITS) CASE(4, 1, BITS) CASE(2, 1, BITS) \
-    CASE(4, 2, BITS) CASE(2, 3, BITS) CASE(2, 4, BITS) \
-    CASE(1, 1, BITS) CASE(1, 2, BITS) CASE(1, 3, BITS) CASE(1, 4, BITS) \
-    CASE(1, 5, BITS) CASE(1, 6, BITS) CASE(1, 7, BITS) CASE(1, 8, BITS)
-    SHAPES(4) SHAPES(8)
+#define BYTES(NT, MB) \
+    if (bits == 8 && nt == NT && mb == MB) { \
+        byte_block(tiles, groups, num_cols, rows, tile, NT, MB, out, out_stride, out_bf16); \
+        return; \
+    }
+#define SHAPES(CASE) \
+    CASE(8, 1) CASE(4, 1) CASE(2, 1) CASE(4, 2) CASE(2, 3) CASE(2, 4) \
+    CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(1, 5) CASE(1, 6) CASE(1, 7) CASE(1, 8)
+    NIBBLES(16, 1) SHAPES(NIBBLES) SHAPES(BYTES)
 #undef SHAPES
-#undef CASE
+#undef BYTES
+#undef NIBBLES
 }
 
 /* The 4-bit offsets' factor: each row's sum over each group of 32 inputs. */
@@ -186,22 +300,27 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t g
 
 void radixrt_quantized_matmul_share(
     const Team *team, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
-    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, float *x_sums
+    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch
 ) {
     const int64_t groups = num_cols / GROUP, num_tiles = num_rows / TILE_ROWS;
-    if (bits == 4) group_sums(x, x_stride, m, groups, x_sums);  /* 8-bit blocks have no offsets */
+    float *x_sums = scratch;
+    ByteRows all = {0};
+    if (bits == 4) group_sums(x, x_stride, m, groups, x_sums);
+    else all = byte_rows(x, x_stride, m, num_cols, scratch);
     /* An equal run of tiles; within it, a block of tiles is multiplied by every block of 8 rows
      * while its codes are in cache, so the weights are read from memory once. */
     int64_t first, last;
     team_share(team, num_tiles, &first, &last);
     for (int64_t tile = first, nt; tile < last; tile += nt) {
-        nt = m <= 8 ? tiles_per_block((int)m, last - tile) : 1;
+        nt = m <= 8 ? tiles_per_block((int)m, bits, last - tile) : 1;
         for (int64_t r = 0; r < m; r += 8) {
             int mb = m - r >= 8 ? 8 : (int)(m - r);
+            const ByteRows rows = {all.hi + r * num_cols, all.lo + r * num_cols, all.scale + r * groups,
+                                   all.sum16 + r * groups};
             float *out_rows = out == NULL ? NULL : out + r * num_rows;
             uint16_t *out_rows_bf16 = out_bf16 == NULL ? NULL : out_bf16 + r * num_rows;
-            run_block(tiles, groups, x + r * x_stride, x_stride, x_sums + r * groups, tile, (int)nt, mb, bits,
-                      out_rows, out_rows_bf16, num_rows);
+            run_block(tiles, groups, num_cols, x + r * x_stride, x_stride, x_sums + r * groups, &rows, tile, (int)nt,
+                      mb, bits, out_rows, out_rows_bf16, num_rows);
         }
     }
 }
@@ -216,16 +335,16 @@ int radixrt_quantized_matmul_bf16(
     float *out, uint16_t *out_bf16, int num_threads
 ) {
     if (bits != 4 && bits != 8) return -2;
-    const int64_t sums_per_thread = m * (num_cols / GROUP);
-    float *x_sums = malloc(sizeof(float) * (size_t)(sums_per_thread * num_threads));
-    if (x_sums == NULL) return -1;
+    const int64_t scratch_bytes = radixrt_quantized_matmul_scratch_bytes(m, num_cols);
+    char *scratch = malloc((size_t)(scratch_bytes * num_threads));
+    if (scratch == NULL) return -1;
     #pragma omp parallel num_threads(num_threads)
     {
         Team team = {NULL, omp_get_thread_num(), omp_get_num_threads()};  /* no barrier: the region's end */
         radixrt_quantized_matmul_share(&team, x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16,
-                                       x_sums + sums_per_thread * team.thread);
+                                       scratch + scratch_bytes * team.thread);
     }
-    free(x_sums);
+    free(scratch);
     return 0;
 }
 
@@ -235,10 +354,10 @@ int radixrt_quantized_matmul_available(void) { return 0; }
 
 void radixrt_quantized_matmul_share(
     const Team *team, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
-    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, float *x_sums
+    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch
 ) {
     (void)team; (void)x; (void)x_stride; (void)m; (void)tiles; (void)bits; (void)num_rows; (void)num_cols;
-    (void)out; (void)out_bf16; (void)x_sums;
+    (void)out; (void)out_bf16; (void)scratch;
 }
 
 int radixrt_quantized_matmul_bf16(
