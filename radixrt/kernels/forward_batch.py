@@ -38,6 +38,7 @@ class ForwardBatch:
     # after a step); `qo_indptr`, `kv_indptr` give them as tensors
     qo_offsets: tuple[int, ...]
     kv_offsets: tuple[int, ...]
+    last_token_rows: torch.Tensor  # [num_seqs] int64, row of each sequence's last new token
 
     @classmethod
     def build(
@@ -59,11 +60,14 @@ class ForwardBatch:
                 raise ValueError(
                     f"sequence {i}: kv_slots has {slots.numel()} entries, expected prefix {p} + new {e}"
                 )
-        # the ids and positions from Python ints in one tensor, split into views: a batch is built
-        # at every step, and each torch op here costs several microseconds
+        # the ids, positions and last rows from Python ints in one tensor, sliced into views: a
+        # batch is built at every step, and each torch op here costs several microseconds
+        qo_offsets = (0, *itertools.accumulate(extend_lens))
         flat_ids = [t for ids in new_token_ids for t in ids]
         positions = [q for p, e in zip(prefix_lens, extend_lens) for q in range(p, p + e)]
-        ids_t, positions_t = torch.tensor(flat_ids + positions, dtype=torch.int64).split(len(flat_ids))
+        numbers = torch.tensor(flat_ids + positions + [end - 1 for end in qo_offsets[1:]], dtype=torch.int64)
+        num_tokens = len(flat_ids)
+        ids_t, positions_t, last_rows = numbers[:num_tokens], numbers[num_tokens : 2 * num_tokens], numbers[2 * num_tokens :]
         slots_cpu = [s.to(torch.int64).cpu() for s in kv_slots]
         kv_indices = torch.cat(slots_cpu)
         out_slots = torch.cat([s[p:] for p, s in zip(prefix_lens, slots_cpu)])
@@ -74,8 +78,9 @@ class ForwardBatch:
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             kv_indices=kv_indices.to(device),
-            qo_offsets=(0, *itertools.accumulate(extend_lens)),
+            qo_offsets=qo_offsets,
             kv_offsets=(0, *itertools.accumulate(p + e for p, e in zip(prefix_lens, extend_lens))),
+            last_token_rows=last_rows.to(device),
         )
 
     @property
@@ -120,7 +125,3 @@ class ForwardBatch:
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seq_ids])
         return rows.to(device, non_blocking=True)
 
-    @property
-    def last_token_rows(self) -> torch.Tensor:
-        """Row of each sequence's last new token in the flattened new tokens."""
-        return torch.tensor([start - 1 for start in self.qo_offsets[1:]], dtype=torch.int64)

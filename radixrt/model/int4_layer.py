@@ -120,15 +120,14 @@ class Int4DecodeStack:
     ) -> torch.Tensor:
         """float32 logits [len(logit_rows), head rows] of the step's rows `logit_rows` after the
         final norm, through the packed LM head: `hidden_states`, norm and head in the same call."""
-        hidden = torch.empty(batch.num_tokens, embedding.shape[1], dtype=embedding.dtype)
         logits = torch.empty(logit_rows.shape[0], head.num_rows, dtype=torch.float32)
-        self._run(embedding, rope_tables, batch, kv_cache, segments, scale, hidden,
+        self._run(embedding, rope_tables, batch, kv_cache, segments, scale, None,
                   (final_norm, head, logit_rows, logits))  # fmt: skip
         return logits
 
     def _run(
         self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-        kv_cache: KVCache, segments: AttentionSegments, scale: float, hidden: torch.Tensor,
+        kv_cache: KVCache, segments: AttentionSegments, scale: float, hidden: torch.Tensor | None,
         head: tuple[torch.Tensor, cpu.PackedWeight, torch.Tensor, torch.Tensor] | None,
     ) -> None:
         k_pools, v_pools = self._pool_addresses(kv_cache)

@@ -51,8 +51,6 @@ import shutil
 import subprocess
 import threading
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -75,21 +73,27 @@ _library: list[ctypes.CDLL | None] = []  # empty until the first accessor call, 
 _calling_thread = threading.local()  # .threads: the `kernel_threads` override of this thread's calls
 
 
-@contextmanager
-def kernel_threads(count: int | None) -> Iterator[None]:
+class kernel_threads:
     """Run the kernels this thread calls inside the block on `count` threads (None: torch's
     count, the default), whatever torch's own thread count is meanwhile.
 
     A decode step's torch ops are too small to gain from a second thread and pay its wake-up
     instead, while the C kernels (one parallel region for a whole step, spin barriers inside)
-    gain from every core: the model runner sets the two counts apart.
+    gain from every core: the model runner sets the two counts apart. (A class, not a
+    generator: entered at every step, where a generator's context manager costs several
+    times as much.)
     """
-    previous = getattr(_calling_thread, "threads", None)
-    _calling_thread.threads = count
-    try:
-        yield
-    finally:
-        _calling_thread.threads = previous
+
+    def __init__(self, count: int | None):
+        self._count = count
+        self._previous: int | None = None
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_calling_thread, "threads", None)
+        _calling_thread.threads = self._count
+
+    def __exit__(self, *exc_info: object) -> None:
+        _calling_thread.threads = self._previous
 
 
 def _threads() -> int:
@@ -416,7 +420,7 @@ class DecodeStack:
         self._fn.restype = i32
 
     def __call__(
-        self, token_ids: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor, layer_weights: torch.Tensor,
+        self, token_ids: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor | None, layer_weights: torch.Tensor,
         k_pools: torch.Tensor, v_pools: torch.Tensor, num_slots: int, eps: float, heads: tuple[int, int, int],
         intermediate: int, scale: float, positions: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
         out_slots: torch.Tensor, kv_indices: torch.Tensor,
@@ -426,7 +430,7 @@ class DecodeStack:
         """`token_ids` ([T] rows of `embedding`, [vocab, dim] bf16) through every layer into
         `hidden` ([T, dim] bf16, contiguous); with `head` = (final norm, packed LM head, logit
         rows, logits), also logits [N, head rows] float32 of the normed rows `logit rows` ([N]
-        rows of the step).
+        rows of the step), and `hidden` may be None (the kernel's own buffer).
 
         layer_weights: [layers, 6] int64 addresses (see WEIGHTS_PER_LAYER; the caller keeps
         them alive); k_pools, v_pools: [layers] int64 addresses of [num_slots, Hkv, D] bf16 pools;
@@ -442,8 +446,8 @@ class DecodeStack:
         cos, signed_sin = rope_tables
         final_norm, packed, logit_rows, logits = (None, None, None, None) if head is None else head
         status = self._fn(
-            token_ids.data_ptr(), embedding.data_ptr(), embedding.shape[0], hidden.data_ptr(), hidden.shape[0],
-            hidden.shape[1], layer_weights.shape[0], layer_weights.data_ptr(), k_pools.data_ptr(),
+            token_ids.data_ptr(), embedding.data_ptr(), embedding.shape[0], None if hidden is None else hidden.data_ptr(),
+            token_ids.shape[0], embedding.shape[1], layer_weights.shape[0], layer_weights.data_ptr(), k_pools.data_ptr(),
             v_pools.data_ptr(), num_slots, eps, num_q_heads, num_kv_heads, head_dim, intermediate, scale,
             positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0],
             out_slots.data_ptr(), kv_indices.data_ptr(),
@@ -460,7 +464,7 @@ class DecodeStack:
         if status == -5:
             raise IndexError(f"a position outside the RoPE tables' rows 0 .. {cos.shape[0] - 1}")
         if status == -6:
-            raise IndexError(f"a logit row outside the step's rows 0 .. {hidden.shape[0] - 1}")
+            raise IndexError(f"a logit row outside the step's rows 0 .. {token_ids.shape[0] - 1}")
         if status == -1:
             raise ValueError(f"decode stack kernel refused heads {heads}")
         if status:

@@ -117,7 +117,8 @@ static void layer(const Team *team, const Step *st, const void *const *weights, 
  * before attention; attention reads the segments (kernels.h) over kv_indices. Row r rotates
  * with row positions[r] of cos and signed_sin, [table_rows, head_dim]. With head not NULL,
  * logits [num_logit_rows, head_rows] fp32 = rms_norm(hidden[logit_rows[i]], final_norm) @
- * head.T (head packed with head_bits bits); hidden is left after the last layer either way.
+ * head.T (head packed with head_bits bits); hidden is left after the last layer either way
+ * (hidden NULL: a buffer of the call's own, when only the logits are wanted).
  * Returns 0, -1 for a shape the kernels do not take, -2 without memory, -3 for a slot outside
  * the pools, -4 for a token id outside the embedding, -5 for a position outside the tables, -6 for a
  * logit row outside the step (nothing computed).
@@ -163,12 +164,14 @@ int radixrt_int4_decode_stack_bf16(
         malloc(sizeof(uint16_t) * rows * 2 * intermediate), malloc(sizeof(uint16_t) * rows * intermediate),
     };
     uint16_t *head_input = malloc(sizeof(uint16_t) * (num_logit_rows ? num_logit_rows : 1) * dim);
+    uint16_t *own_hidden = hidden == NULL ? malloc(sizeof(uint16_t) * rows * dim) : NULL;
+    if (hidden == NULL) hidden = own_hidden;
     char *scratch = malloc((size_t)(scratch_per_thread * num_threads));
     AttentionWork *work = radixrt_attention_work_new(&seg);
     atomic_long *next_items = calloc(num_layers, sizeof(atomic_long));  /* each layer's attention item counter */
     SpinBarrier barrier = {0, 0};
     int status = -2;
-    if (b.normed && b.qkv && b.attn && b.projected && b.gate_up && b.activated && head_input && scratch && work &&
+    if (b.normed && b.qkv && b.attn && b.projected && b.gate_up && b.activated && head_input && hidden && scratch && work &&
         next_items) {
         status = 0;
         #pragma omp parallel num_threads(num_threads)
@@ -202,6 +205,7 @@ int radixrt_int4_decode_stack_bf16(
     radixrt_attention_work_free(work);
     free(scratch);
     free(head_input);
+    free(own_hidden);
     free(b.normed);
     free(b.qkv);
     free(b.attn);
