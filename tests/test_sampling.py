@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixrt.sampling import SamplingParams
+from radixrt.kernels import cpu
 from radixrt.sampling.sampler import SampleOutput, Sampler, apply_penalties, uniform_for
 
 SAMPLER = Sampler()
@@ -319,3 +320,28 @@ def test_inputs_must_match_the_batch():
         SAMPLER.sample(torch.zeros(2, 5), [SamplingParams()] * 2, [1], [[]] * 2, [[]] * 2)
     with pytest.raises(ValueError, match="logits"):
         SAMPLER.sample(torch.zeros(5), [SamplingParams()], [1], [[]], [[]])
+
+
+@pytest.mark.skipif(cpu.temperature_sampler() is None, reason="no C compiler: torch samples every row")
+@pytest.mark.parametrize("vocab, temperature", [(49152, 0.7), (1001, 1.3), (65, 0.05), (7, 1.0)])
+def test_unfiltered_rows_draw_the_inverse_cdf_token(vocab, temperature):
+    """Rows without filters take the C pass: its token is the one whose float64 cumulative
+    weight first exceeds u * total, wherever u * total is not within rounding of a boundary."""
+    logits = random_logits(64, vocab, seed=vocab)
+    logits[3, :] = -math.inf  # a row masked to one token
+    logits[3, vocab // 2] = 0.0
+    params = [SamplingParams(temperature=temperature)] * 64
+    seeds = list(range(500, 564))
+    out = sample(logits, params, seeds)
+    compared = 0
+    for row in range(64):
+        weights = ((logits[row].double() - logits[row].double().max()) / temperature).exp()
+        cdf = weights.cumsum(0)
+        target = uniform_for(seeds[row], 0) * float(cdf[-1])
+        expected = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True))
+        gap = min(abs(float(cdf[expected]) - target), abs(target - float(cdf[expected - 1])) if expected else math.inf)
+        if gap > 2e-6 * float(cdf[-1]):  # the C pass's float32 sums and exponential err by less
+            compared += 1
+            assert int(out.token_ids[row]) == expected, f"row {row}"
+        assert weights[int(out.token_ids[row])] > 0
+    assert compared >= 56
