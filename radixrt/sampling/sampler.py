@@ -100,24 +100,17 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled:  # every token is its row's largest value: no gather
             return SampleOutput(argmax, row_max - log_norm, _top_logprobs(logits, log_norm, params))
-        uniforms = {i: uniform_for(seeds[i], len(output_ids[i])) for i in sampled}
-        # a row without top-k, top-p or min-p is one draw from softmax(row / T): radixrt's C pass
-        # where it runs; which path a row takes depends on its own parameters alone
-        kernel = cpu.temperature_sampler()
-        vocab_size = logits.shape[1]
-        unfiltered = [] if kernel is None or not kernel.takes(logits) else [
-            i for i in sampled if not _has_filter(params[i], vocab_size)]
-        filtered = [i for i in sampled if i not in set(unfiltered)]
         token_ids = argmax.clone()  # right for the greedy rows; the sampled ones are drawn below
-        if unfiltered:
-            assert kernel is not None
-            rows = torch.tensor(unfiltered, dtype=torch.int64)
-            token_ids[rows] = kernel(logits, rows, row_max[rows], [params[i].temperature for i in unfiltered],
-                                     [uniforms[i] for i in unfiltered])
-        if filtered:
-            rows = torch.tensor(filtered, device=logits.device)
-            token_ids[rows] = _sample_rows(logits if len(filtered) == batch_size else logits[rows],
-                                           [params[i] for i in filtered], [uniforms[i] for i in filtered])
+        rows = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
+        rows_params = [params[i] for i in sampled]
+        row_uniforms = [uniform_for(seeds[i], len(output_ids[i])) for i in sampled]
+        kernel = cpu.row_sampler()  # radixrt's C passes where they run; torch's ops elsewhere
+        if kernel is not None and kernel.takes(logits):
+            token_ids[rows] = kernel(logits, rows, row_max[rows], [p.temperature for p in rows_params],
+                                     [p.top_k for p in rows_params], [p.top_p for p in rows_params],
+                                     [p.min_p for p in rows_params], row_uniforms)
+        else:
+            token_ids[rows] = _sample_rows(_select(logits, sampled), rows_params, row_uniforms)
         logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - log_norm
         return SampleOutput(token_ids, logprobs, _top_logprobs(logits, log_norm, params))
 
@@ -200,11 +193,6 @@ def _select(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == tensor.shape[0]:
         return tensor
     return tensor[torch.tensor(rows, device=tensor.device)]
-
-
-def _has_filter(params: SamplingParams, vocab_size: int) -> bool:
-    """Whether `_sample_rows` applies a top-k, top-p or min-p threshold to the row."""
-    return 1 < params.top_k < vocab_size or params.top_p < 1 or bool(params.min_p)
 
 
 def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> torch.Tensor:

@@ -22,8 +22,9 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
                         vectorized passes, for the sampler (torch's take ~6x
                         longer over a 49k vocabulary).
     sample_rows.c       a token drawn from a row's temperature-scaled softmax
-                        (no top-k/top-p/min-p) in one pass and a short one,
-                        instead of torch's ~10 ops a row.
+                        after its top-k/top-p/min-p filters, in a few passes,
+                        instead of torch's ~10 ops a row and, for a wide
+                        nucleus, a full sort.
     int4_layer.c        a 4-bit Llama layer's work around attention (norms,
                         projections, RoPE, SwiGLU, residuals) in two calls
                         instead of about thirty ops, for decode-sized steps.
@@ -502,31 +503,36 @@ class RowStats:
         return argmax, stats[0], stats[1]
 
 
-class TemperatureSampler:
-    """`radixrt_sample_temperature`: inverse-CDF draws from softmax(row / T), for rows without filters."""
+class RowSampler:
+    """`radixrt_sample_rows`: inverse-CDF draws from softmax(row / T) after each row's top-k,
+    top-p and min-p filters."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._fn = library.radixrt_sample_temperature
+        self._fn = library.radixrt_sample_rows
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [pointer, i64, pointer, i64, i64, pointer, pointer, pointer, pointer, ctypes.c_int]
+        self._fn.argtypes = [pointer, i64, pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, pointer,
+                             pointer, ctypes.c_int]
         self._fn.restype = ctypes.c_int
 
     takes = staticmethod(RowStats.takes)
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, maxima: torch.Tensor, temperatures: Sequence[float],
+                 top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float],
                  uniforms: Sequence[float]) -> torch.Tensor:
-        """int64 [N]: for each of `rows` ([N] int64, contiguous) of float32 logits [B, V] (`takes`),
-        the first token whose cumulative weight exp((x - max) / T) exceeds u * total, `maxima` [N]
-        float32 each row's largest logit, temperatures > 0, uniforms in (0, 1)."""
+        """int64 [N]: a token for each of `rows` ([N] int64, contiguous) of float32 logits [B, V]
+        (`takes`): `maxima` [N] float32 each row's largest logit, temperatures > 0, filters as in
+        `SamplingParams` (none: top_k <= 1 or >= V, top_p >= 1, min_p 0), uniforms in (0, 1)."""
         num_rows = rows.shape[0]
         tokens = torch.empty(num_rows, dtype=torch.int64)
-        temperature = torch.tensor(temperatures, dtype=torch.float32)
+        floats = torch.tensor([*temperatures, *top_p, *min_p], dtype=torch.float32)
+        ks = torch.tensor(top_k, dtype=torch.int64)
         uniform = torch.tensor(uniforms, dtype=torch.float64)
         maxima = maxima.contiguous()
         status = self._fn(logits.data_ptr(), num_rows, rows.data_ptr(), logits.shape[1], logits.stride(0),
-                          maxima.data_ptr(), temperature.data_ptr(), uniform.data_ptr(), tokens.data_ptr(), _threads())
+                          maxima.data_ptr(), floats.data_ptr(), ks.data_ptr(), floats[num_rows:].data_ptr(),
+                          floats[2 * num_rows :].data_ptr(), uniform.data_ptr(), tokens.data_ptr(), _threads())
         if status:
-            raise MemoryError("temperature sampling kernel could not allocate its block sums")
+            raise MemoryError("row sampling kernel could not allocate its block sums")
         return tokens
 
 
@@ -569,10 +575,10 @@ def row_stats() -> RowStats | None:
 
 
 @functools.cache  # the sampler asks at every step
-def temperature_sampler() -> TemperatureSampler | None:
-    """The compiled inverse-CDF sampling of unfiltered rows; None where the kernels cannot be built."""
+def row_sampler() -> RowSampler | None:
+    """The compiled sampling of logits rows; None where the kernels cannot be built."""
     library = _load()
-    return None if library is None else TemperatureSampler(library)
+    return None if library is None else RowSampler(library)
 
 
 def decode_attention() -> DecodeAttention | None:

@@ -1,26 +1,98 @@
 /*
- * Per row rows[i] of float32 logits: a token drawn from softmax(x / T) by inverse CDF, for the
- * sampler's rows without top-k, top-p or min-p (self-consistency samples, say). torch takes ~10
- * ops a row for this (scale, max, exp, cumulative sum, search), ~120 us a row over a 49k
- * vocabulary on one thread of the project's 2-core machine; here it is one pass and a short one.
+ * Per row rows[i] of float32 logits: a token drawn from softmax(x / T) by inverse CDF, after the
+ * row's top-k, top-p and min-p filters, for the sampler. torch takes ~10 ops a row without
+ * filters (~120 us a row over a 49k vocabulary on one thread of the project's 2-core machine),
+ * and a top-p row whose nucleus outgrows its candidate window a full sort (~3 ms); here a row
+ * takes a few vectorized passes.
  *
- * Weights w_j = exp((x_j - max) / T) (max: the row's largest logit, from radixrt_row_stats).
- * The first pass sums them per block of SAMPLE_BLOCK tokens; the token is the first whose
- * cumulative weight exceeds u * total: the block found from the block sums, then the token
- * within it by a running sum. Should that sum's rounding miss the target, the block's last
- * token of positive weight is taken. Each row's arithmetic is its own, so its token does not
- * depend on the batch.
+ * Every filter is a threshold on the logit, computed on the whole row as the sampler defines it
+ * (docs/sampling.md): top-k keeps the k largest logits, top-p the fewest largest whose
+ * probability mass reaches p, min-p those of probability at least min_p times the largest's; a
+ * logit tied with the threshold is kept. The threshold of top-k and top-p is found without a
+ * sort: logits map to 32-bit keys in the same order (order_key), and three passes over the row
+ * narrow the key where the count (top-k) or mass (top-p) of the larger logits reaches the goal,
+ * 12, 12 and then 8 bits at a time, each pass a histogram of the tokens still in the running.
+ *
+ * Weights w_j = exp((x_j - max) / T), zero for a filtered-out token. A pass sums them per block
+ * of SAMPLE_BLOCK tokens; the token is the first whose cumulative weight exceeds u * total: the
+ * block found from the block sums, then the token within it by a running sum. Should that sum's
+ * rounding miss the target, the block's last token of positive weight is taken. Each row's
+ * arithmetic is its own, so its token does not depend on the batch.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "scalar.h"
 
 #define SAMPLE_BLOCK 64
 
-static int64_t sample_row(const float *x, int64_t cols, float maximum, float temperature, double uniform,
-                          float *block_sums) {
+/* Unsigned keys in the order of the floats (-inf lowest): a float's bits, sign-adjusted. */
+static inline uint32_t order_key(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+
+/*
+ * The largest key K such that the tokens with keys >= K reach `goal`: counted (weights NULL) or
+ * weighed by weights[j]. 0 (keep every token) when the whole row falls short.
+ */
+static uint32_t crossing_key(const float *x, int64_t cols, const float *weights, double goal) {
+    static const int shifts[3] = {20, 8, 0}, widths[3] = {12, 12, 8};
+    double histogram[1 << 12];
+    uint32_t prefix = 0;  /* the key's bits fixed so far, above shifts[level] + widths[level] */
+    double above = 0.0;   /* count or mass of the tokens whose keys are above the prefix's range */
+    for (int level = 0; level < 3; level++) {
+        const int shift = shifts[level], buckets = 1 << widths[level];
+        const int above_bits = shift + widths[level];
+        memset(histogram, 0, sizeof(double) * (size_t)buckets);
+        for (int64_t j = 0; j < cols; j++) {
+            const uint32_t key = order_key(x[j]);
+            if (level > 0 && (key >> above_bits) != (prefix >> above_bits)) continue;
+            histogram[(key >> shift) & (uint32_t)(buckets - 1)] += weights ? weights[j] : 1.0;
+        }
+        int b = buckets - 1;
+        while (b >= 0 && above + histogram[b] < goal) above += histogram[b--];
+        if (b < 0) return 0;
+        prefix |= (uint32_t)b << shift;
+    }
+    return prefix;
+}
+
+/* The key below which the row's filters drop a token (0: none drops any); `weights`: cols floats
+ * of scratch (top-p). */
+static uint32_t filter_key(const float *x, int64_t cols, float maximum, float temperature, int64_t top_k,
+                           float top_p, float min_p, float *weights) {
+    const float inverse = 1.0f / temperature;
+    uint32_t lowest = 0;
+    if (min_p > 0.0f) {  /* p >= min_p * p_max: x >= max + T log(min_p) */
+        const uint32_t key = order_key(maximum + temperature * logf(min_p));
+        lowest = key > lowest ? key : lowest;
+    }
+    if (top_k > 1 && top_k < cols) {
+        const uint32_t key = crossing_key(x, cols, NULL, (double)top_k);
+        lowest = key > lowest ? key : lowest;
+    }
+    if (top_p < 1.0f) {  /* the weights once, vectorized: the histogram passes cannot be */
+        double total = 0.0;
+        for (int64_t start = 0; start < cols; start += SAMPLE_BLOCK) {
+            const int64_t end = start + SAMPLE_BLOCK < cols ? start + SAMPLE_BLOCK : cols;
+            float sum = 0.0f;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t j = start; j < end; j++) sum += weights[j] = exp_approx((x[j] - maximum) * inverse);
+            total += sum;
+        }
+        const uint32_t key = crossing_key(x, cols, weights, (double)top_p * total);
+        lowest = key > lowest ? key : lowest;
+    }
+    return lowest;
+}
+
+static int64_t sample_row(const float *x, int64_t cols, float maximum, float temperature, uint32_t lowest,
+                          double uniform, float *block_sums) {
     const float inverse = 1.0f / temperature;
     const int64_t num_blocks = (cols + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
     double total = 0.0;
@@ -28,7 +100,8 @@ static int64_t sample_row(const float *x, int64_t cols, float maximum, float tem
         const int64_t end = (b + 1) * SAMPLE_BLOCK < cols ? (b + 1) * SAMPLE_BLOCK : cols;
         float sum = 0.0f;
         #pragma omp simd reduction(+:sum)
-        for (int64_t j = b * SAMPLE_BLOCK; j < end; j++) sum += exp_approx((x[j] - maximum) * inverse);
+        for (int64_t j = b * SAMPLE_BLOCK; j < end; j++)
+            sum += order_key(x[j]) >= lowest ? exp_approx((x[j] - maximum) * inverse) : 0.0f;
         block_sums[b] = sum;
         total += sum;
     }
@@ -39,7 +112,7 @@ static int64_t sample_row(const float *x, int64_t cols, float maximum, float tem
     const int64_t end = (b + 1) * SAMPLE_BLOCK < cols ? (b + 1) * SAMPLE_BLOCK : cols;
     int64_t last_positive = -1;
     for (int64_t j = b * SAMPLE_BLOCK; j < end; j++) {
-        const float w = exp_approx((x[j] - maximum) * inverse);
+        const float w = order_key(x[j]) >= lowest ? exp_approx((x[j] - maximum) * inverse) : 0.0f;
         if (w > 0.0f) last_positive = j;
         before += w;
         if (before > target) return j;
@@ -47,18 +120,33 @@ static int64_t sample_row(const float *x, int64_t cols, float maximum, float tem
     return last_positive >= 0 ? last_positive : cols - 1;  /* no finite logit: no meaningful token */
 }
 
-/* tokens[i] for row rows[i], with maxima[i], temperatures[i] (> 0) and uniforms[i] in (0, 1).
- * Returns 0, or -1 without memory. */
-int radixrt_sample_temperature(const float *logits, int64_t num_rows, const int64_t *rows, int64_t cols,
-                               int64_t row_stride, const float *maxima, const float *temperatures,
-                               const double *uniforms, int64_t *tokens, int num_threads) {
+/* tokens[i] for row rows[i], with maxima[i] (the row's largest logit), temperatures[i] (> 0),
+ * filters top_k[i] (none: <= 1 or >= cols), top_p[i] (none: >= 1), min_p[i] (none: 0), and
+ * uniforms[i] in (0, 1). Returns 0, or -1 without memory. */
+int radixrt_sample_rows(const float *logits, int64_t num_rows, const int64_t *rows, int64_t cols,
+                        int64_t row_stride, const float *maxima, const float *temperatures, const int64_t *top_k,
+                        const float *top_p, const float *min_p, const double *uniforms, int64_t *tokens,
+                        int num_threads) {
     const int64_t num_blocks = (cols + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    int any_top_p = 0;
+    for (int64_t i = 0; i < num_rows; i++) any_top_p |= top_p[i] < 1.0f;
     float *block_sums = malloc(sizeof(float) * (size_t)(num_blocks * num_threads));
-    if (block_sums == NULL) return -1;
+    float *weights = any_top_p ? malloc(sizeof(float) * (size_t)(cols * num_threads)) : NULL;
+    if (block_sums == NULL || (any_top_p && weights == NULL)) {
+        free(block_sums);
+        free(weights);
+        return -1;
+    }
     #pragma omp parallel for num_threads(num_threads) if (num_rows >= 2)
-    for (int64_t i = 0; i < num_rows; i++)
-        tokens[i] = sample_row(logits + rows[i] * row_stride, cols, maxima[i], temperatures[i], uniforms[i],
-                               block_sums + num_blocks * omp_get_thread_num());
+    for (int64_t i = 0; i < num_rows; i++) {
+        const float *x = logits + rows[i] * row_stride;
+        const int thread = omp_get_thread_num();
+        const uint32_t lowest = filter_key(x, cols, maxima[i], temperatures[i], top_k[i], top_p[i], min_p[i],
+                                           weights == NULL ? NULL : weights + cols * thread);
+        tokens[i] = sample_row(x, cols, maxima[i], temperatures[i], lowest, uniforms[i],
+                               block_sums + num_blocks * thread);
+    }
     free(block_sums);
+    free(weights);
     return 0;
 }
