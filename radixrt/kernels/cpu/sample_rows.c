@@ -99,9 +99,14 @@ static int64_t sample_row(const float *x, int64_t cols, float maximum, float tem
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t end = (b + 1) * SAMPLE_BLOCK < cols ? (b + 1) * SAMPLE_BLOCK : cols;
         float sum = 0.0f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t j = b * SAMPLE_BLOCK; j < end; j++)
-            sum += order_key(x[j]) >= lowest ? exp_approx((x[j] - maximum) * inverse) : 0.0f;
+        if (lowest == 0) {  /* no filter: no keys to compare */
+            #pragma omp simd reduction(+:sum)
+            for (int64_t j = b * SAMPLE_BLOCK; j < end; j++) sum += exp_approx((x[j] - maximum) * inverse);
+        } else {
+            #pragma omp simd reduction(+:sum)
+            for (int64_t j = b * SAMPLE_BLOCK; j < end; j++)
+                sum += order_key(x[j]) >= lowest ? exp_approx((x[j] - maximum) * inverse) : 0.0f;
+        }
         block_sums[b] = sum;
         total += sum;
     }
