@@ -67,7 +67,8 @@ class ForwardBatch:
         positions = [q for p, e in zip(prefix_lens, extend_lens) for q in range(p, p + e)]
         numbers = torch.tensor(flat_ids + positions + [end - 1 for end in qo_offsets[1:]], dtype=torch.int64)
         num_tokens = len(flat_ids)
-        ids_t, positions_t, last_rows = numbers[:num_tokens], numbers[num_tokens : 2 * num_tokens], numbers[2 * num_tokens :]
+        ids_t, positions_t = numbers[:num_tokens], numbers[num_tokens : 2 * num_tokens]
+        last_rows = numbers[2 * num_tokens :]
         slots_cpu = [s.to(torch.int64).cpu() for s in kv_slots]
         kv_indices = torch.cat(slots_cpu)
         out_slots = torch.cat([s[p:] for p, s in zip(prefix_lens, slots_cpu)])

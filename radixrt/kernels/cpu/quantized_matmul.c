@@ -204,7 +204,8 @@ static ByteRows byte_rows(const uint16_t *x, int64_t x_stride, int64_t m, int64_
                 const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(x16, _mm512_set1_epi32(128)), 8);
                 const int64_t at = r * num_cols + g * GROUP + 16 * h;
                 _mm_storeu_si128((__m128i *)(rows.hi + at), _mm512_cvtepi32_epi8(hi));
-                _mm_storeu_si128((__m128i *)(rows.lo + at), _mm512_cvtepi32_epi8(_mm512_sub_epi32(x16, _mm512_slli_epi32(hi, 8))));
+                const __m512i lo = _mm512_sub_epi32(x16, _mm512_slli_epi32(hi, 8));
+                _mm_storeu_si128((__m128i *)(rows.lo + at), _mm512_cvtepi32_epi8(lo));
                 total = _mm512_add_epi32(total, x16);
             }
             rows.sum16[r * groups + g] = _mm512_reduce_add_epi32(total);
