@@ -363,6 +363,7 @@ def test_sampled_rows_draw_the_token_of_the_rule(vocab, scale):
     logits[5, :10] = logits[5].max() + 1  # 10 tokens tied on top: top_k=40 keeps all, top_k=3 too
     logits[6, :] = -math.inf  # a row masked to one token
     logits[6, vocab // 2] = 0.0
+    logits[9, :] = 0.5  # all tied: top_k=40 keeps every token
     params = [kinds[i % len(kinds)] for i in range(56)]
     seeds = list(range(700, 756))
     out = sample(logits, params, seeds)

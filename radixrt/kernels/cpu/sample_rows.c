@@ -12,6 +12,7 @@
  * sort: logits map to 32-bit keys in the same order (order_key), and three passes over the row
  * narrow the key where the count (top-k) or mass (top-p) of the larger logits reaches the goal,
  * 12, 12 and then 8 bits at a time, each pass a histogram of the tokens still in the running.
+ * Top-k first tries a shortcut through the row's block maxima (top_k_key).
  *
  * Weights w_j = exp((x_j - max) / T), zero for a filtered-out token. A pass sums them per block
  * of SAMPLE_BLOCK tokens; the token is the first whose cumulative weight exceeds u * total: the
@@ -62,10 +63,65 @@ static uint32_t crossing_key(const float *x, int64_t cols, const float *weights,
     return prefix;
 }
 
+/* Reorders keys[0 .. n) so that keys[k - 1] is the k-th largest, larger ones before it
+ * (quickselect; 1 <= k <= n). */
+static uint32_t kth_largest(uint32_t *keys, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const uint32_t pivot = keys[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (keys[i] > pivot) i++;
+            while (keys[j] < pivot) j--;
+            if (i <= j) {
+                const uint32_t t = keys[i];
+                keys[i++] = keys[j];
+                keys[j--] = t;
+            }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
+    return keys[k - 1];
+}
+
+#define TOP_K_CANDIDATES 4096
+
+/*
+ * Top-k's key: the k-th largest logit's. The row's per-block maxima are tokens, so its k largest
+ * block maxima are k tokens at least as large as the k-th largest of them, t: the answer is
+ * among the tokens >= t, usually a few times k, selected directly. Should there be too many
+ * (or k exceed the blocks), the histogram passes find it. `scratch`: a float per block.
+ */
+static uint32_t top_k_key(const float *x, int64_t cols, int64_t k, float *scratch) {
+    const int64_t num_blocks = (cols + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    if (k > num_blocks) return crossing_key(x, cols, NULL, (double)k);
+    uint32_t *block_keys = (uint32_t *)scratch;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t end = (b + 1) * SAMPLE_BLOCK < cols ? (b + 1) * SAMPLE_BLOCK : cols;
+        float m = x[b * SAMPLE_BLOCK];
+        #pragma omp simd reduction(max:m)
+        for (int64_t j = b * SAMPLE_BLOCK; j < end; j++) m = x[j] > m ? x[j] : m;
+        block_keys[b] = order_key(m);
+    }
+    const uint32_t floor_key = kth_largest(block_keys, num_blocks, k);
+    uint32_t candidates[TOP_K_CANDIDATES];
+    int64_t n = 0;
+    for (int64_t j = 0; j < cols; j++) {
+        const uint32_t key = order_key(x[j]);
+        if (key >= floor_key) {
+            if (n == TOP_K_CANDIDATES) return crossing_key(x, cols, NULL, (double)k);
+            candidates[n++] = key;
+        }
+    }
+    return kth_largest(candidates, n, k);
+}
+
 /* The key below which the row's filters drop a token (0: none drops any); `weights`: cols floats
- * of scratch (top-p). */
+ * of scratch (top-p), `block_scratch`: a float per block (top-k). */
 static uint32_t filter_key(const float *x, int64_t cols, float maximum, float temperature, int64_t top_k,
-                           float top_p, float min_p, float *weights) {
+                           float top_p, float min_p, float *weights, float *block_scratch) {
     const float inverse = 1.0f / temperature;
     uint32_t lowest = 0;
     if (min_p > 0.0f) {  /* p >= min_p * p_max: x >= max + T log(min_p) */
@@ -73,7 +129,7 @@ static uint32_t filter_key(const float *x, int64_t cols, float maximum, float te
         lowest = key > lowest ? key : lowest;
     }
     if (top_k > 1 && top_k < cols) {
-        const uint32_t key = crossing_key(x, cols, NULL, (double)top_k);
+        const uint32_t key = top_k_key(x, cols, top_k, block_scratch);
         lowest = key > lowest ? key : lowest;
     }
     if (top_p < 1.0f) {  /* the weights once, vectorized: the histogram passes cannot be */
@@ -146,10 +202,10 @@ int radixrt_sample_rows(const float *logits, int64_t num_rows, const int64_t *ro
     for (int64_t i = 0; i < num_rows; i++) {
         const float *x = logits + rows[i] * row_stride;
         const int thread = omp_get_thread_num();
+        float *block_scratch = block_sums + num_blocks * thread;  /* free until sample_row */
         const uint32_t lowest = filter_key(x, cols, maxima[i], temperatures[i], top_k[i], top_p[i], min_p[i],
-                                           weights == NULL ? NULL : weights + cols * thread);
-        tokens[i] = sample_row(x, cols, maxima[i], temperatures[i], lowest, uniforms[i],
-                               block_sums + num_blocks * thread);
+                                           weights == NULL ? NULL : weights + cols * thread, block_scratch);
+        tokens[i] = sample_row(x, cols, maxima[i], temperatures[i], lowest, uniforms[i], block_scratch);
     }
     free(block_sums);
     free(weights);
