@@ -106,9 +106,8 @@ class Sampler:
         row_uniforms = [uniform_for(seeds[i], len(output_ids[i])) for i in sampled]
         kernel = cpu.row_sampler()  # radixrt's C passes where they run; torch's ops elsewhere
         if kernel is not None and kernel.takes(logits):
-            token_ids[rows] = kernel(logits, rows, row_max[rows], [p.temperature for p in rows_params],
-                                     [p.top_k for p in rows_params], [p.top_p for p in rows_params],
-                                     [p.min_p for p in rows_params], row_uniforms)
+            kernel(logits, rows, row_max, [p.temperature for p in rows_params], [p.top_k for p in rows_params],
+                   [p.top_p for p in rows_params], [p.min_p for p in rows_params], row_uniforms, token_ids)
         else:
             token_ids[rows] = _sample_rows(_select(logits, sampled), rows_params, row_uniforms)
         logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - log_norm

@@ -517,13 +517,13 @@ class RowSampler:
     takes = staticmethod(RowStats.takes)
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, maxima: torch.Tensor, temperatures: Sequence[float],
-                 top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float],
-                 uniforms: Sequence[float]) -> torch.Tensor:
-        """int64 [N]: a token for each of `rows` ([N] int64, contiguous) of float32 logits [B, V]
-        (`takes`): `maxima` [N] float32 each row's largest logit, temperatures > 0, filters as in
-        `SamplingParams` (none: top_k <= 1 or >= V, top_p >= 1, min_p 0), uniforms in (0, 1)."""
+                 top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float], uniforms: Sequence[float],
+                 tokens: torch.Tensor) -> None:
+        """Writes tokens[r] ([B] int64, contiguous) for each row r of `rows` ([N] int64, contiguous) of
+        float32 logits [B, V] (`takes`): `maxima` [B] float32 each row's largest logit; per sampled
+        row, a temperature > 0, filters as in `SamplingParams` (none: top_k <= 1 or >= V, top_p >= 1,
+        min_p 0) and a uniform in (0, 1). The other rows' tokens are left as they are."""
         num_rows = rows.shape[0]
-        tokens = torch.empty(num_rows, dtype=torch.int64)
         floats = torch.tensor([*temperatures, *top_p, *min_p], dtype=torch.float32)
         ks = torch.tensor(top_k, dtype=torch.int64)
         uniform = torch.tensor(uniforms, dtype=torch.float64)
@@ -533,7 +533,6 @@ class RowSampler:
                           floats[2 * num_rows :].data_ptr(), uniform.data_ptr(), tokens.data_ptr(), _threads())
         if status:
             raise MemoryError("row sampling kernel could not allocate its block sums")
-        return tokens
 
 
 class KVStore:
