@@ -204,7 +204,7 @@ def test_an_extend_gives_the_logits_of_decoding_its_tokens_one_at_a_time(model, 
     runner = filled_runner(model, num_slots, seed=2)
     together = runner.forward(batch, torch.arange(batch.num_tokens))
     one_by_one = filled_runner(model, num_slots, seed=2)
-    starts, rows = batch.kv_indptr.tolist(), batch.qo_indptr.tolist()
+    starts, rows = batch.kv_offsets, batch.qo_offsets
     ids = batch.input_ids.tolist()
     expected = torch.empty_like(together)
     for j in range(max(e for _, e in specs)):  # every sequence's j-th new token, in one decode step
@@ -224,7 +224,7 @@ def test_a_decode_row_does_not_depend_on_the_batch_it_is_in(model):
     runner = filled_runner(model, num_slots, seed=5)
     together = runner.forward(batch)
     k_together = [pool.clone() for pool in runner.kv_cache.k]
-    starts = batch.kv_indptr.tolist()
+    starts = batch.kv_offsets
     for i, (prefix, _) in enumerate(specs):
         alone = filled_runner(model, num_slots, seed=5)
         slots = batch.kv_indices[starts[i] : starts[i + 1]]
@@ -241,7 +241,7 @@ def test_segments_read_a_shared_prefix_once_and_an_extend_row_its_new_keys():
     rows = segments.rows.tolist()
     runs = [(int(s), int(n), rows[a:b]) for s, n, a, b in
             zip(segments.starts, segments.lens, segments.row_ptr[:-1], segments.row_ptr[1:])]  # fmt: skip
-    kv_start = batch.kv_indptr.tolist()
+    kv_start = batch.kv_offsets
     assert runs == [
         (kv_start[0], 10, [0, 1, 2, 3]),  # the shared 10 slots, for all four new tokens
         (kv_start[0] + 10, 2, [0]),  # the decode's own cached slot and its new one

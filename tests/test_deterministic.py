@@ -226,7 +226,7 @@ def test_aligned_segments_cut_every_row_at_whole_chunks_in_key_order():
     starts, lens = segments.starts.tolist(), segments.lens.tolist()
     rows = [segments.rows[a:b].tolist() for a, b in zip(segments.row_ptr[:-1].tolist(), segments.row_ptr[1:].tolist())]
     keys = {}  # row -> its key ranges, as positions in its own sequence, in the order listed
-    kv_starts = batch.kv_indptr[:-1].tolist()
+    kv_starts = list(batch.kv_offsets[:-1])
     seq_of_row = [0, 1, 1, 1]
     for start, length, segment_rows in zip(starts, lens, rows):
         for row in segment_rows:

@@ -108,10 +108,10 @@ def reference_attention(case: Case, attention: LayerAttention = FULL_ATTENTION) 
     kv_indices = b.kv_indices.cpu()
     out = torch.empty_like(q)
     for i, (prefix, extend) in enumerate(zip(b.prefix_lens, b.extend_lens)):
-        slots = kv_indices[b.kv_indptr[i] : b.kv_indptr[i + 1]]
+        slots = kv_indices[b.kv_offsets[i] : b.kv_offsets[i + 1]]
         keys = pool_k[slots].repeat_interleave(group, dim=1)  # [S, Hq, D]
         values = pool_v[slots].repeat_interleave(group, dim=1)
-        rows = slice(int(b.qo_indptr[i]), int(b.qo_indptr[i + 1]))
+        rows = slice(b.qo_offsets[i], b.qo_offsets[i + 1])
         scores = torch.einsum("ehd,shd->hes", q[rows], keys) * scale
         if attention.logit_softcap is not None:
             scores = torch.tanh(scores / attention.logit_softcap) * attention.logit_softcap

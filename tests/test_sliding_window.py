@@ -50,10 +50,10 @@ def reference(q: torch.Tensor, cache: KVCache, batch: ForwardBatch, attention: L
     group = NUM_Q_HEADS // NUM_KV_HEADS
     for i in range(batch.num_seqs):
         prefix, extend = batch.prefix_lens[i], batch.extend_lens[i]
-        slots = batch.kv_indices[batch.kv_indptr[i] : batch.kv_indptr[i + 1]]
+        slots = batch.kv_indices[batch.kv_offsets[i] : batch.kv_offsets[i + 1]]
         keys = cache.k[0][slots].float().repeat_interleave(group, 1)
         values = cache.v[0][slots].float().repeat_interleave(group, 1)
-        queries = q[batch.qo_indptr[i] : batch.qo_indptr[i + 1]].float()
+        queries = q[batch.qo_offsets[i] : batch.qo_offsets[i + 1]].float()
         scores = torch.einsum("thd,lhd->htl", queries, keys) * scale
         if attention.logit_softcap is not None:
             scores = torch.tanh(scores / attention.logit_softcap) * attention.logit_softcap

@@ -55,10 +55,10 @@ def reference(cache, batch, q, k, v, layer):
     group = q.shape[1] // k.shape[1]
     out = torch.empty(q.shape)
     for i, (prefix, extend) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
-        slots = batch.kv_indices[batch.kv_indptr[i] : batch.kv_indptr[i + 1]]
+        slots = batch.kv_indices[batch.kv_offsets[i] : batch.kv_offsets[i + 1]]
         keys = pool_k[slots].repeat_interleave(group, dim=1)
         values = pool_v[slots].repeat_interleave(group, dim=1)
-        rows = slice(int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1]))
+        rows = slice(batch.qo_offsets[i], batch.qo_offsets[i + 1])
         scores = torch.einsum("ehd,shd->hes", q[rows].float(), keys) * q.shape[-1] ** -0.5
         visible = torch.arange(prefix + extend)[None, :] <= prefix + torch.arange(extend)[:, None]
         out[rows] = torch.einsum("hes,shd->ehd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)

@@ -9,8 +9,8 @@ receive the new tokens' K/V.
     sequence i:  kv_slots[i] = [ s0 s1 ... s(p-1) | n0 n1 ... n(e-1) ]
                                  prefix (cached)     new: written this step
     new tokens of all sequences, concatenated:  input_ids / positions / out_slots
-    qo_indptr[i] .. qo_indptr[i+1]  = rows of sequence i in the new tokens
-    kv_indptr[i] .. kv_indptr[i+1]  = its slots in kv_indices
+    qo_offsets[i] .. qo_offsets[i+1]  = rows of sequence i in the new tokens
+    kv_offsets[i] .. kv_offsets[i+1]  = its slots in kv_indices
 
 It is passed explicitly to the model and the attention backend; there is no
 global "current batch".
@@ -35,7 +35,7 @@ class ForwardBatch:
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64, slots of every sequence, concatenated
     # [num_seqs + 1] each: where each sequence's new-token rows and slots start, as Python ints
     # (index arithmetic without a torch call: each costs microseconds, more with the caches cold
-    # after a step); `qo_indptr`, `kv_indptr` give them as tensors
+    # after a step; the GPU backends build their own device tensors from them)
     qo_offsets: tuple[int, ...]
     kv_offsets: tuple[int, ...]
     last_token_rows: torch.Tensor  # [num_seqs] int64, row of each sequence's last new token
@@ -83,16 +83,6 @@ class ForwardBatch:
             kv_offsets=(0, *itertools.accumulate(p + e for p, e in zip(prefix_lens, extend_lens))),
             last_token_rows=last_rows.to(device),
         )
-
-    @property
-    def qo_indptr(self) -> torch.Tensor:
-        """`qo_offsets` as an int64 tensor on the CPU."""
-        return torch.tensor(self.qo_offsets, dtype=torch.int64)
-
-    @property
-    def kv_indptr(self) -> torch.Tensor:
-        """`kv_offsets` as an int64 tensor on the CPU."""
-        return torch.tensor(self.kv_offsets, dtype=torch.int64)
 
     @property
     def num_seqs(self) -> int:
