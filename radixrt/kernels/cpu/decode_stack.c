@@ -164,8 +164,8 @@ int radixrt_int4_decode_stack_bf16(
         malloc(sizeof(uint16_t) * rows * 2 * intermediate), malloc(sizeof(uint16_t) * rows * intermediate),
     };
     uint16_t *head_input = malloc(sizeof(uint16_t) * (num_logit_rows ? num_logit_rows : 1) * dim);
-    uint16_t *own_hidden = hidden == NULL ? malloc(sizeof(uint16_t) * rows * dim) : NULL;
-    if (hidden == NULL) hidden = own_hidden;
+    uint16_t *own_hidden = NULL;
+    if (hidden == NULL) hidden = own_hidden = malloc(sizeof(uint16_t) * rows * dim);
     char *scratch = malloc((size_t)(scratch_per_thread * num_threads));
     AttentionWork *work = radixrt_attention_work_new(&seg);
     atomic_long *next_items = calloc(num_layers, sizeof(atomic_long));  /* each layer's attention item counter */
