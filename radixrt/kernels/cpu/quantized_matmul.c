@@ -63,6 +63,7 @@
 #define CHUNK_BYTES(bits) ((bits) == 4 ? 32 : 64)
 #define BLOCK_BYTES(bits) (CHUNKS * CHUNK_BYTES(bits) + ((bits) == 4 ? 2 : 1) * TILE_ROWS * 2)
 #define MAX_BYTE_BLOCK_TILES 8  /* 8-bit codes: two accumulators a tile (tiles_per_block) */
+#define PREFETCH_TILES 16  /* prefetch_next_group */
 #define X16_MAX 32639  /* 127 * 256 + 127: hi = (x16 + 128) >> 8 stays in -127..127 */
 
 /* Scratch for m rows of K inputs: 4-bit, each group's sum x; 8-bit, x16's two bytes and each
@@ -100,8 +101,9 @@ static inline uint32_t load_pair(const uint16_t *p) {
  * float32 sum 70; with it, 74. Asking for a whole group at once stalled on the outstanding
  * misses and bought nothing.
  */
-static inline __attribute__((always_inline)) void prefetch_next_group(const uint8_t *group, int bits, int line) {
-    const char *next = (const char *)group + BLOCK_BYTES(bits);
+static inline __attribute__((always_inline)) void prefetch_next_group(const uint8_t *group, int bits, int line, int nt) {
+    const int ahead = nt >= PREFETCH_TILES ? 1 : PREFETCH_TILES / nt;
+    const char *next = (const char *)group + ahead * BLOCK_BYTES(bits);
     if (64 * line < BLOCK_BYTES(bits)) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
     if (line == 0 && BLOCK_BYTES(bits) > 64 * CHUNKS) _mm_prefetch(next + 64 * CHUNKS, _MM_HINT_T0);
 }
@@ -147,7 +149,7 @@ static inline __attribute__((always_inline)) void nibble_block(
         for (int c = 0; c < CHUNKS; c++) {
             _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++) {
                 const uint8_t *group = tiles + ((tile + t) * groups + g) * BLOCK_BYTES(bits);
-                prefetch_next_group(group, bits, c);
+                prefetch_next_group(group, bits, c, nt);
                 __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(group + CHUNK_BYTES(bits) * c)));
                 __m512bh low_codes = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
                 __m512bh high_codes = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
@@ -258,7 +260,7 @@ static inline __attribute__((always_inline)) void byte_block(
             _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dot_hi[t][r] = dot_lo[t][r] = _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int c = 0; c < CHUNKS; c++) {
             _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
-                prefetch_next_group(group + t * tile_stride, 8, c);
+                prefetch_next_group(group + t * tile_stride, 8, c, nt);
                 const __m512i codes = _mm512_loadu_si512(group + t * tile_stride + CHUNK_BYTES(8) * c);
                 _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
                     const int64_t at = r * num_cols + g * GROUP + 4 * c;
