@@ -62,6 +62,28 @@ def test_kernel_matches_softmax_reference(lens, heads, seed):
         torch.testing.assert_close(lse[rows[i]], scores.logsumexp(-1), atol=1e-4, rtol=1e-5)
 
 
+@needs_kernel
+def test_a_sequence_gets_the_same_bits_alone_and_among_many():
+    """Alone, a sequence's keys are split by KV head over the threads; among many, one item takes
+    all the heads of a piece of keys. Each head computes alone either way: the same bits."""
+    num_q_heads, num_kv_heads, head_dim, lens = 9, 3, 64, [300, 700, 40, 513, 256, 90, 5, 611]
+    generator = torch.Generator().manual_seed(7)
+    num_slots = sum(lens)
+    k_pool = torch.randn(num_slots, num_kv_heads, head_dim, generator=generator).bfloat16()
+    v_pool = torch.randn(num_slots, num_kv_heads, head_dim, generator=generator).bfloat16()
+    kv_indices = torch.randperm(num_slots, generator=generator)
+    kv_lens = torch.tensor(lens)
+    kv_starts = torch.cumsum(kv_lens, 0) - kv_lens
+    q = torch.randn(len(lens), num_q_heads, head_dim, generator=generator).bfloat16()
+    together = torch.zeros_like(q)
+    kernel()(q, k_pool, v_pool, kv_indices, kv_starts, kv_lens, torch.arange(len(lens)), together, None, 0.125)
+    for i in range(len(lens)):
+        alone = torch.zeros_like(q)
+        kernel()(q, k_pool, v_pool, kv_indices, kv_starts[i : i + 1], kv_lens[i : i + 1], torch.tensor([i]), alone,
+                 None, 0.125)  # fmt: skip
+        assert torch.equal(alone[i], together[i]), f"sequence {i}"
+
+
 def test_kernel_shapes_and_dtypes_it_does_not_take_stay_on_torch():
     assert not cpu.supports(8, 8, 64, torch.float32)
     assert not cpu.supports(32, 1, 64, torch.bfloat16)  # more query heads per KV head than it holds

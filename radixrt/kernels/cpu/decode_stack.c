@@ -167,7 +167,7 @@ int radixrt_int4_decode_stack_bf16(
     uint16_t *own_hidden = NULL;
     if (hidden == NULL) hidden = own_hidden = malloc(sizeof(uint16_t) * rows * dim);
     char *scratch = malloc((size_t)(scratch_per_thread * num_threads));
-    AttentionWork *work = radixrt_attention_work_new(&seg);
+    AttentionWork *work = radixrt_attention_work_new(&seg, num_threads);
     atomic_long *next_items = calloc(num_layers, sizeof(atomic_long));  /* each layer's attention item counter */
     SpinBarrier barrier = {0, 0};
     int status = -2;

@@ -111,7 +111,8 @@ typedef struct {
 
 typedef struct AttentionWork AttentionWork;  /* the split into work items and the partial results */
 
-AttentionWork *radixrt_attention_work_new(const Segments *segments);  /* NULL without memory */
+/* the items for a team of `threads` (NULL without memory) */
+AttentionWork *radixrt_attention_work_new(const Segments *segments, int threads);
 void radixrt_attention_work_free(AttentionWork *work);
 
 /*
