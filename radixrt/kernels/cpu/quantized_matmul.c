@@ -31,12 +31,12 @@
  * largest input. (Bytes alone, x8 with s = max|x| / 127 as llama.cpp does,
  * would take one dot product: on this VM 4-bit products read 10-35% faster
  * than in bf16, 8-bit ones 0-9% faster than with two planes; but they
- * moved the bundled model away from the file's: over 5,100 positions of
- * prose, code and chat, the next-token distribution's KL divergence from
- * float32 arithmetic on the same weights was 0.016-0.017 nats against
- * 0.0007-0.0009 with bf16 inputs, and its top token agreed 92-93% of the time
- * against 98-99%. The 4-bit codes keep bf16: with two byte planes their
- * products were no faster.)
+ * moved the bundled model away from the file's: the next-token
+ * distribution's KL divergence from float32 arithmetic on the same weights
+ * was 0.014-0.020 nats a token against 0.0007-0.0008 with bf16 inputs, and
+ * its top token agreed 92-93% of the time against 98-99%
+ * (bench/quality_bench.py). The 4-bit codes keep bf16: with two byte planes
+ * their products were no faster.)
  *
  * Every row runs the same instruction sequence whatever M and the blocking
  * are, so a row's result does not depend on the batch it is in.
