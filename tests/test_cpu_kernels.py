@@ -201,6 +201,31 @@ def test_row_stats_are_torchs_argmax_max_and_logsumexp(rows, cols, ties, seed):
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=1), atol=1e-5, rtol=1e-6)
 
 
+@needs_kernel
+@pytest.mark.parametrize("masked", ["first half", "second half", "all but one"])
+def test_row_stats_of_rows_with_masked_values(masked):
+    """Masked logits (-inf, as grammar or bad-word masks leave them) add nothing, wherever they are."""
+    logits = torch.randn(3, 1001, generator=torch.Generator().manual_seed(1)) * 4
+    if masked == "first half":
+        logits[:, :500] = -torch.inf
+    elif masked == "second half":
+        logits[:, 500:] = -torch.inf
+    else:
+        logits[:, torch.arange(1001) != 700] = -torch.inf
+    argmax, maximum, lse = cpu.row_stats()(logits)
+    assert torch.equal(argmax, logits.argmax(dim=1)) and torch.equal(maximum, logits.amax(dim=1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=1), atol=1e-5, rtol=1e-6)
+
+
+@needs_kernel
+def test_row_stats_are_the_same_bits_for_a_row_alone_and_in_a_batch():
+    logits = torch.randn(9, 49152, generator=torch.Generator().manual_seed(2)) * 3
+    together = cpu.row_stats()(logits)
+    for r in range(9):
+        alone = cpu.row_stats()(logits[r : r + 1])
+        assert all(torch.equal(a[0], t[r]) for a, t in zip(alone, together)), f"row {r}"
+
+
 def rowwise() -> cpu.RowwiseMatmul:
     built = cpu.rowwise_matmul()
     if built is None:
