@@ -342,8 +342,9 @@ void radixrt_quantized_matmul_share(
         nt = m <= 8 ? tiles_per_block((int)m, bits, last - tile) : 1;
         for (int64_t r = 0; r < m; r += 8) {
             int mb = m - r >= 8 ? 8 : (int)(m - r);
-            const ByteRows rows = {all.hi + r * num_cols, all.lo + r * num_cols, all.scale + r * groups,
-                                   all.sum16 + r * groups};
+            const ByteRows rows = bits == 8 ? (ByteRows){all.hi + r * num_cols, all.lo + r * num_cols,
+                                                         all.scale + r * groups, all.sum16 + r * groups}
+                                            : all;  /* 4-bit: none (and no arithmetic on their NULLs) */
             float *out_rows = out == NULL ? NULL : out + r * num_rows;
             uint16_t *out_rows_bf16 = out_bf16 == NULL ? NULL : out_bf16 + r * num_rows;
             run_block(tiles, groups, num_cols, x + r * x_stride, x_stride, x_sums + r * groups, &rows, tile, (int)nt,
