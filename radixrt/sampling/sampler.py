@@ -100,7 +100,7 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled:  # every token is its row's largest value: no gather
             return SampleOutput(argmax, row_max - log_norm, _top_logprobs(logits, log_norm, params))
-        token_ids = argmax.clone()  # right for the greedy rows; the sampled ones are drawn below
+        token_ids = argmax  # right for the greedy rows; the sampled ones are drawn into it below
         rows = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
         rows_params = [params[i] for i in sampled]
         row_uniforms = [uniform_for(seeds[i], len(output_ids[i])) for i in sampled]

@@ -55,8 +55,8 @@ import shutil
 import subprocess
 import threading
 import uuid
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
