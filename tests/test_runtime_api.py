@@ -8,6 +8,7 @@ import random
 import threading
 
 import pytest
+import torch
 
 from radixrt import Runtime, SamplingParams
 from radixrt.config import RuntimeConfig
@@ -59,6 +60,15 @@ def test_unknown_runtime_option_names_the_option(tiny_llama_dir):
         Runtime(tiny_llama_dir, page_sise=4)
     with pytest.raises(ValueError, match="schedule_policy"):
         Runtime(tiny_llama_dir, schedule_policy="random")
+
+
+def test_a_runtime_built_in_inference_mode_serves(tiny_llama_dir, rt):
+    """Built inside the caller's `torch.inference_mode()`, its tensors are inference tensors that
+    the engine thread updates in place: it must serve as any other (it failed every request)."""
+    with torch.inference_mode():
+        inside = Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=4096, check_invariants=True)
+    with inside:
+        assert inside.generate(ids(20), GREEDY)["output_ids"] == rt.generate(ids(20), GREEDY)["output_ids"]
 
 
 def test_result_shape_and_batch_order(rt):

@@ -191,29 +191,39 @@ class EngineDriver:
             self._cv.notify()
 
     def _loop(self) -> None:
-        """Apply posted actions, then step; the lock is never held during a step."""
+        """Apply posted actions, then step; the lock is never held during a step.
+
+        The whole loop runs in inference mode: the engine never needs autograd, and a runtime
+        built inside a caller's `torch.inference_mode()` holds inference tensors (the KV pool,
+        the page pool's free map) that may only be updated in place in that mode.
+        """
         failure: BaseException | None = None
         threads = self.engine.runner.threads
         if threads is not None:  # this thread's torch ops between steps are small
             torch.set_num_threads(threads.between_steps())
         try:
-            while True:
-                with self._cv:
-                    while not self._actions and not self.engine.has_work and not self._closed:
-                        self._cv.wait()
-                    if self._closed:
-                        break
-                    actions, self._actions = self._actions, []
-                for action, payload in actions:
-                    self._apply(action, payload)
-                if self.engine.has_work:
-                    self.engine.step()
-                    self._status.tick(busy=self.engine.has_work)
+            with torch.inference_mode():
+                self._serve()
         except Exception as error:  # an engine bug: fail every request, keep the process alive
             logger.exception("engine step failed")
             failure = self._engine_error = error
         finally:
             self._fail_outstanding(failure or RuntimeError("the runtime was shut down"))
+
+    def _serve(self) -> None:
+        """Until shut down: the posted actions, then a step whenever there is work."""
+        while True:
+            with self._cv:
+                while not self._actions and not self.engine.has_work and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                actions, self._actions = self._actions, []
+            for action, payload in actions:
+                self._apply(action, payload)
+            if self.engine.has_work:
+                self.engine.step()
+                self._status.tick(busy=self.engine.has_work)
 
     def _apply(self, action: str, payload: Any) -> None:
         if action == "add":
