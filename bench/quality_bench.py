@@ -12,7 +12,8 @@ the text's perplexity.
 
 Texts: prose (Python's own documentation topics, `pydoc_data.topics`), code
 (the standard library's `textwrap.py`), and chat (fixed prompts in the chat
-template with the float32 model's greedy answers, the answers scored). Each is
+template with the float32 model's greedy answers from `Runtime.generate`, the
+answers scored). Each is
 cut into pieces of --piece-len tokens, each piece run as one prefill.
 
 Run: python bench/quality_bench.py [--paths dense,native] [--pieces N] [--piece-len N] [--answer-len N]
@@ -26,6 +27,9 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import pydoc_data.topics
 
 import torch
 
@@ -37,6 +41,7 @@ from model_bench import cpu_name, make_runner  # noqa: E402
 
 from radixrt.kernels.forward_batch import ForwardBatch  # noqa: E402
 from radixrt.model.loader import LoadedModel, load_model  # noqa: E402
+from radixrt.runtime.api import Runtime  # noqa: E402
 
 PROSE_TOPICS = ("assignment", "naming", "exceptions", "import", "compound", "function", "class", "numbers")
 CHAT_PROMPTS = (
@@ -86,32 +91,23 @@ def log_probs(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)
 
 
-def greedy_answer(loaded: LoadedModel, prompt: list[int], length: int) -> list[int]:
-    """The model's greedy continuation of `prompt`, the whole sequence recomputed each token (few, short)."""
-    ids = list(prompt)
-    for _ in range(length):
-        runner = make_runner(loaded, len(ids))
-        batch = ForwardBatch.build([ids], [0], [torch.arange(len(ids))])
-        ids.append(int(runner.forward(batch).argmax()))
-    return ids[len(prompt) :]
-
-
-def texts(reference: LoadedModel, pieces: int, piece_len: int, answer_len: int) -> dict[str, list[Piece]]:
-    import pydoc_data.topics
-
-    tokenizer = reference.tokenizer
-
+def texts(tokenizer: Any, pieces: int, piece_len: int, answer_len: int) -> dict[str, list[Piece]]:
     def cut(text: str) -> list[Piece]:
         ids = tokenizer.encode(text)
         return [Piece(ids[s : s + piece_len], 1) for s in range(0, pieces * piece_len, piece_len) if s + 2 <= len(ids)]
 
     prose = "\n\n".join(pydoc_data.topics.topics[name] for name in PROSE_TOPICS)
-    chat = []
-    for prompt in CHAT_PROMPTS:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)  # fmt: skip
-        ids = tokenizer.encode(rendered, add_special_tokens=False)
-        chat.append(Piece(ids + greedy_answer(reference, ids, answer_len), len(ids)))
+    prompts = [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                       add_generation_prompt=True), add_special_tokens=False)
+        for prompt in CHAT_PROMPTS
+    ]  # fmt: skip
+    runtime = Runtime(dtype="float32", weights="dense")  # the float32 model's own greedy answers
+    try:
+        answers = runtime.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": answer_len})
+    finally:
+        runtime.shutdown()
+    chat = [Piece(ids + answer["output_ids"], len(ids)) for ids, answer in zip(prompts, answers)]
     return {"prose": cut(prose), "code": cut(Path(textwrap.__file__).read_text()), "chat answers": chat}
 
 
@@ -128,8 +124,8 @@ def main() -> None:
     torch.manual_seed(0)
     reference = load_model(None, device="cpu", dtype="fp32", weights="dense")
     paths = {name: load_model(None, device="cpu", dtype="bf16", weights=name) for name in args.paths.split(",")}
+    corpus = texts(reference.tokenizer, args.pieces, args.piece_len, args.answer_len)
     with torch.inference_mode():
-        corpus = texts(reference, args.pieces, args.piece_len, args.answer_len)
         tallies = {(text, path): Tally() for text in corpus for path in paths}
         for text, text_pieces in corpus.items():
             for piece in text_pieces:
