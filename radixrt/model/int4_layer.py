@@ -87,6 +87,7 @@ class Int4DecodeStack:
              for layer in self._layers], dtype=torch.int64,
         )  # fmt: skip
         self._intermediate = intermediate
+        self._run_kernel = cpu.decode_run()
         # the last pools' address tables, for as long as those pools live
         self._pools: tuple[weakref.ref[KVCache], torch.Tensor, torch.Tensor] | None = None
 
@@ -124,6 +125,21 @@ class Int4DecodeStack:
         self._run(embedding, rope_tables, batch, kv_cache, segments, scale, None,
                   (final_norm, head, logit_rows, logits))  # fmt: skip
         return logits
+
+    def decode_run(
+        self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+        scale: float, final_norm: torch.Tensor, head: cpu.PackedWeight, rows: cpu.RunRows,
+        sampling: cpu.RunSampling, num_steps: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to `num_steps` decode steps of `rows` in one call, each sampling the next tokens
+        (`cpu.DecodeRun`): (tokens, log-probabilities), [steps run, rows] each."""
+        assert self._run_kernel is not None  # built with the stack's own kernel
+        k_pools, v_pools = self._pool_addresses(kv_cache)
+        first = self._layers[0]
+        return self._run_kernel(
+            embedding, self._weights, k_pools, v_pools, kv_cache.k[0].shape[0], first.eps, first.heads,
+            self._intermediate, scale, rope_tables, final_norm, head, rows, sampling, num_steps,
+        )  # fmt: skip
 
     def _run(
         self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,

@@ -31,7 +31,7 @@ C attention reading the pool; attention cut at whole chunks either way.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,6 +43,7 @@ from radixrt.kernels import cpu
 from radixrt.kernels.base import AttentionBackend, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.segments import AttentionSegments, aligned_attention_segments, attention_segments
+from radixrt.kernels.shared_prefix import find_shared_prefixes
 from radixrt.kernels.torch_backend import TorchAttentionBackend
 from radixrt.model import gemma, linear
 from radixrt.model.config import ModelConfig
@@ -476,6 +477,43 @@ class LlamaForCausalLM(nn.Module):
                                       plans.segments, plans.scale, self.norm, head.packed, logit_rows.contiguous())
         hidden = self.forward(batch, backend, plans, deterministic)
         return self.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)), deterministic)
+
+    def runs_decodes(self, backend: AttentionBackend[Any]) -> bool:
+        """Whether `decode_run` takes deterministic steps over this backend: native 4-bit weights
+        in the whole-stack kernel, the file's own LM head, radixrt's C attention."""
+        return (self._stack is not None and isinstance(self._invariant_lm_head, linear.PackedLMHead)
+                and isinstance(backend, TorchAttentionBackend) and self.config.final_logit_softcapping is None)
+
+    def decode_run(
+        self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[torch.Tensor],
+        sampling: cpu.RunSampling, num_steps: int, backend: AttentionBackend[Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to `num_steps` deterministic decode steps in one call (check `runs_decodes` first):
+        sequence i's last token `tokens[i]` at `positions[i]`, its slots `slots[i]` for positions
+        0 .. positions[i] + num_steps - 1, sampled by `sampling` (`cpu.RunSampling`). Returns
+        (tokens, log-probabilities), [steps run, sequences] each: what as many `logits` steps
+        and `Sampler.sample` give, bit for bit."""
+        assert self._stack is not None and isinstance(self._invariant_lm_head, linear.PackedLMHead)
+        assert isinstance(backend, TorchAttentionBackend)
+        (attention,) = self._attention_kinds
+        lengths = [slot_list.numel() for slot_list in slots]
+        starts = [0]
+        for length in lengths[:-1]:
+            starts.append(starts[-1] + length)
+        all_slots = torch.cat(list(slots))
+        chunk = backend.attention_chunk
+        owner, shared_chunks = list(range(len(tokens))), [0] * len(tokens)
+        if len(tokens) > 1:
+            for prefix in find_shared_prefixes(all_slots, starts, positions, backend.shared_prefix_min_tokens):
+                for member in prefix.members:
+                    owner[member], shared_chunks[member] = prefix.members[0], prefix.length // chunk
+        index = torch.tensor([*tokens, *positions, *starts, *owner, *shared_chunks], dtype=torch.int64)
+        count = len(tokens)
+        rows = cpu.RunRows(index[:count], index[count : 2 * count], all_slots, index[2 * count : 3 * count],
+                           index[3 * count : 4 * count], index[4 * count :], chunk)
+        tables = self.rope.tables(max(positions) + num_steps, self.dtype)
+        return self._stack.decode_run(self.embed_tokens, tables, backend.kv_cache, backend.softmax_scale(attention),
+                                      self.norm, self._invariant_lm_head.packed, rows, sampling, num_steps)
 
     def _rope_tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.tables(max(batch.seq_lens), self.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -91,6 +91,22 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def runs_decodes(self) -> bool:
+        """Whether `decode_run` can take this runner's decode batches (deterministic steps on
+        native 4-bit weights through radixrt's C kernels)."""
+        return self.deterministic and self.model.runs_decodes(self.backend)
+
+    def decode_run(
+        self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[torch.Tensor],
+        sampling: cpu.RunSampling, num_steps: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to `num_steps` decode steps in one call, each sampling the next tokens (check
+        `runs_decodes` first): see `LlamaForCausalLM.decode_run`. Each step writes K/V at the
+        sequences' next slots, as `forward` does at `batch.out_slots`."""
+        with torch.inference_mode(), cpu.kernel_threads(None if self.threads is None else self.threads.large):
+            return self.model.decode_run(tokens, positions, slots, sampling, num_steps, self.backend)
 
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [len(logit_rows), vocab_size] for rows of the batch's new tokens.

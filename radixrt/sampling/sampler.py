@@ -114,6 +114,34 @@ class Sampler:
         return SampleOutput(token_ids, logprobs, _top_logprobs(logits, log_norm, params))
 
 
+def runs_with(params: SamplingParams) -> bool:
+    """Whether a decode run (`cpu.DecodeRun`) samples with these settings exactly as `Sampler.sample`
+    does: its C passes cover temperature, top-k, top-p and min-p, not penalties or top log-probs."""
+    return (params.repetition_penalty == 1 and params.frequency_penalty == 0 and params.presence_penalty == 0
+            and not params.top_logprobs_num)
+
+
+def run_sampling(
+    params: Sequence[SamplingParams], seeds: Sequence[int], num_outputs: Sequence[int],
+    stop_ids: Sequence[Sequence[int]], num_steps: int,
+) -> cpu.RunSampling:
+    """How a decode run samples each row (`runs_with` must hold): row i with `params[i]`, its
+    step s the request's output token `num_outputs[i] + s` (the draw `Sampler.sample` would
+    make), stopping the run at any of `stop_ids[i]`."""
+    temperatures = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32)
+    uniforms = torch.tensor([[uniform_for(seed, count + step) for seed, count in zip(seeds, num_outputs)]
+                             for step in range(num_steps)], dtype=torch.float64)  # fmt: skip
+    stop_ptr = [0]
+    for ids in stop_ids:
+        stop_ptr.append(stop_ptr[-1] + len(ids))
+    return cpu.RunSampling(
+        temperatures, torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        torch.tensor([p.min_p for p in params], dtype=torch.float32), uniforms,
+        torch.tensor(stop_ptr, dtype=torch.int64), torch.tensor([i for ids in stop_ids for i in ids], dtype=torch.int64),
+    )
+
+
 def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's first argmax, its value and its log-sum-exp: radixrt's C pass where it runs
     (about 8x faster than torch's reductions over a 49k vocabulary on one thread), else torch's."""

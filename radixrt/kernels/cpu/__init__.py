@@ -31,6 +31,9 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
     decode_stack.c      a whole step of such a model, token ids to logits,
                         for a few new tokens in one call: threads forked once
                         a step, not once an op, and no Python in between.
+    decode_run.c        several decode steps of a steady batch in one call,
+                        each sampling the tokens the next one reads: no
+                        engine and no Python between the steps at all.
     rowwise_matmul.c    a dense matmul whose every output is reduced in one
                         fixed order whatever the batch: library GEMMs change
                         a row's rounding with the number of rows (deterministic
@@ -476,6 +479,95 @@ class DecodeStack:
             raise MemoryError("decode stack kernel could not allocate its buffers")
 
 
+class RunRows(NamedTuple):
+    """A decode run's batch (`decode_run.c`): row r's last token, its position (the keys before
+    it), its slots (`slots[slot_starts[r]:]`, one for every position up to the run's last), and
+    the whole `chunk`s of keys it reads from row `owner[r]`'s slots (`shared_chunks[r]` of them:
+    a prefix they share). Every tensor int64, contiguous, [B] unless said."""
+
+    first_tokens: torch.Tensor
+    first_positions: torch.Tensor
+    slots: torch.Tensor  # every row's slots, one after another
+    slot_starts: torch.Tensor
+    owner: torch.Tensor
+    shared_chunks: torch.Tensor
+    chunk: int
+
+
+class RunSampling(NamedTuple):
+    """How each row of a decode run picks its tokens: temperature 0 greedy (the first argmax), else
+    a draw at `uniforms[s, r]` ([steps, B] float64) after its filters, as `RowSampler`; the run stops
+    after a step where row r drew one of `stop_ids[stop_ptr[r]:stop_ptr[r + 1]]`."""
+
+    temperatures: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    uniforms: torch.Tensor  # [steps, B] float64
+    stop_ptr: torch.Tensor  # [B + 1] int64
+    stop_ids: torch.Tensor  # int64
+
+
+class DecodeRun:
+    """`decode_run.c`: up to k decode steps of a plain Llama model on `pack_int4`ed weights in one
+    call, each sampling the tokens of the next."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.radixrt_int4_decode_run_bf16
+        pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._fn.argtypes = [
+            pointer, i64, i64, i32, pointer,  # embedding, vocab, dim, num_layers, layer weights
+            pointer, pointer, i64, f32, i32, i32,  # k pools, v pools, num_slots, eps, Hq, Hkv
+            i32, i64, f32, pointer, pointer,  # D, intermediate, scale, cos, signed_sin
+            i64, pointer, pointer, i32, i64,  # table rows, final norm, head, head bits, head rows
+            i64, pointer, pointer, pointer,  # rows, first tokens, first positions, slots
+            pointer, pointer, pointer, i64,  # slot starts, owner, shared chunks, chunk
+            pointer, pointer, pointer, pointer, pointer,  # temperatures, top_k, top_p, min_p, uniforms
+            pointer, pointer, i32, pointer, pointer,  # stop ptr, stop ids, steps, tokens, logprobs
+            i32,  # threads
+        ]
+        self._fn.restype = i32
+
+    def __call__(
+        self, embedding: torch.Tensor, layer_weights: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor,
+        num_slots: int, eps: float, heads: tuple[int, int, int], intermediate: int, scale: float,
+        rope_tables: tuple[torch.Tensor, torch.Tensor], final_norm: torch.Tensor, head: PackedWeight,
+        rows: RunRows, sampling: RunSampling, num_steps: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [n, B] int64, log-probabilities [n, B] float32 at temperature 1) of the n <=
+        `num_steps` steps run: n stops at the first step where a row drew a stop token. The
+        model as `DecodeStack` takes it; each step's K/V go to the rows' next slots. Raises
+        IndexError, computing nothing, for a slot outside the pools, a token id outside the
+        embedding or a position outside the tables."""
+        num_q_heads, num_kv_heads, head_dim = heads
+        cos, signed_sin = rope_tables
+        batch = rows.first_tokens.shape[0]
+        tokens = torch.empty(num_steps, batch, dtype=torch.int64)
+        logprobs = torch.empty(num_steps, batch, dtype=torch.float32)
+        done = self._fn(
+            embedding.data_ptr(), embedding.shape[0], embedding.shape[1], layer_weights.shape[0],
+            layer_weights.data_ptr(), k_pools.data_ptr(), v_pools.data_ptr(), num_slots, eps, num_q_heads,
+            num_kv_heads, head_dim, intermediate, scale, cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0],
+            final_norm.data_ptr(), head.data.data_ptr(), head.bits, head.num_rows,
+            batch, rows.first_tokens.data_ptr(), rows.first_positions.data_ptr(), rows.slots.data_ptr(),
+            rows.slot_starts.data_ptr(), rows.owner.data_ptr(), rows.shared_chunks.data_ptr(), rows.chunk,
+            sampling.temperatures.data_ptr(), sampling.top_k.data_ptr(), sampling.top_p.data_ptr(),
+            sampling.min_p.data_ptr(), sampling.uniforms.data_ptr(), sampling.stop_ptr.data_ptr(),
+            sampling.stop_ids.data_ptr(), num_steps, tokens.data_ptr(), logprobs.data_ptr(), _threads(),
+        )  # fmt: skip
+        if done == -3:
+            raise IndexError(f"a K/V slot is outside the pool of {num_slots} slots")
+        if done == -4:
+            raise IndexError(f"a token id outside the embedding's rows 0 .. {embedding.shape[0] - 1}")
+        if done == -5:
+            raise IndexError(f"a position outside the RoPE tables' rows 0 .. {cos.shape[0] - 1}")
+        if done == -1:
+            raise ValueError(f"decode run kernel refused heads {heads} or its batch")
+        if done < 0:
+            raise MemoryError("decode run kernel could not allocate its buffers")
+        return tokens[:done], logprobs[:done]
+
+
 class RowStats:
     """`radixrt_row_stats`: each row's first argmax, its value, and the log-sum-exp, for sampling."""
 
@@ -615,6 +707,12 @@ def decode_stack() -> DecodeStack | None:
     """The compiled whole-step kernel; None wherever `quantized_matmul` is."""
     library = _load()
     return None if library is None or not library.radixrt_quantized_matmul_available() else DecodeStack(library)
+
+
+def decode_run() -> DecodeRun | None:
+    """The compiled multi-step decode kernel; None wherever `quantized_matmul` is."""
+    library = _load()
+    return None if library is None or not library.radixrt_quantized_matmul_available() else DecodeRun(library)
 
 
 def _load() -> ctypes.CDLL | None:

@@ -37,6 +37,7 @@
 
 enum { INPUT_NORM, QKV, O, POST_NORM, GATE_UP, DOWN, LAYER_WEIGHTS };
 
+/* A step as one layer sees it: the model's shape and this step's rows. */
 typedef struct {
     int64_t rows, dim, qkv_rows, attn_dim, intermediate;
     int num_q_heads, num_kv_heads, head_dim;
@@ -46,9 +47,11 @@ typedef struct {
     const int64_t *out_slots, *kv_indices;
 } Step;
 
-typedef struct {
-    uint16_t *normed, *qkv, *attn, *projected, *gate_up, *activated;
-} Buffers;
+struct StackBuffers {
+    uint16_t *normed, *qkv, *attn, *projected, *gate_up, *activated, *head_input, *own_hidden;
+    char *scratch;
+    int64_t scratch_per_thread;
+};
 
 /* Rows [first, last) of this thread's share of `rows`. */
 #define FOR_SHARE(team, n, i) \
@@ -57,7 +60,8 @@ typedef struct {
     for (int64_t i = i##_first; i < i##_last; i++)
 
 static void layer(const Team *team, const Step *st, const void *const *weights, uint16_t *k_pool, uint16_t *v_pool,
-                  AttentionWork *work, atomic_long *next_item, uint16_t *hidden, const Buffers *b, void *scratch) {
+                  AttentionWork *work, atomic_long *next_item, uint16_t *hidden, const StackBuffers *b,
+                  void *scratch) {
     const int64_t rows = st->rows, dim = st->dim, qkv_rows = st->qkv_rows, inter = st->intermediate;
     const int64_t kv_elems = (int64_t)st->num_kv_heads * st->head_dim;
     {
@@ -109,6 +113,82 @@ static void layer(const Team *team, const Step *st, const void *const *weights, 
     team_barrier(team);
 }
 
+int radixrt_stack_model_check(const StackModel *model) {
+    const int hq = model->num_q_heads, hkv = model->num_kv_heads, d = model->head_dim;
+    return hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2 ? -1 : 0;
+}
+
+StackBuffers *radixrt_stack_buffers_new(const StackModel *m, int64_t rows, int64_t logit_rows, int own_hidden,
+                                        int threads) {
+    const int64_t dim = m->dim, inter = m->intermediate, attn_dim = (int64_t)m->num_q_heads * m->head_dim;
+    const int64_t qkv_rows = (int64_t)(m->num_q_heads + 2 * m->num_kv_heads) * m->head_dim;
+    const int64_t widest = dim > attn_dim ? (dim > inter ? dim : inter) : (attn_dim > inter ? attn_dim : inter);
+    StackBuffers *b = calloc(1, sizeof(StackBuffers));
+    if (b == NULL) return NULL;
+    b->scratch_per_thread = radixrt_quantized_matmul_scratch_bytes(rows > logit_rows ? rows : logit_rows, widest);
+    b->normed = malloc(sizeof(uint16_t) * rows * dim);
+    b->qkv = malloc(sizeof(uint16_t) * rows * qkv_rows);
+    b->attn = malloc(sizeof(uint16_t) * rows * attn_dim);
+    b->projected = malloc(sizeof(uint16_t) * rows * dim);
+    b->gate_up = malloc(sizeof(uint16_t) * rows * 2 * inter);
+    b->activated = malloc(sizeof(uint16_t) * rows * inter);
+    b->head_input = logit_rows ? malloc(sizeof(uint16_t) * logit_rows * dim) : NULL;
+    b->own_hidden = own_hidden ? malloc(sizeof(uint16_t) * rows * dim) : NULL;
+    b->scratch = malloc((size_t)(b->scratch_per_thread * threads));
+    if (!b->normed || !b->qkv || !b->attn || !b->projected || !b->gate_up || !b->activated ||
+        (logit_rows && !b->head_input) || (own_hidden && !b->own_hidden) || !b->scratch) {
+        radixrt_stack_buffers_free(b);
+        return NULL;
+    }
+    return b;
+}
+
+void radixrt_stack_buffers_free(StackBuffers *b) {
+    if (b == NULL) return;
+    free(b->normed);
+    free(b->qkv);
+    free(b->attn);
+    free(b->projected);
+    free(b->gate_up);
+    free(b->activated);
+    free(b->head_input);
+    free(b->own_hidden);
+    free(b->scratch);
+    free(b);
+}
+
+void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *step, StackBuffers *b) {
+    const int64_t rows = step->rows, dim = m->dim;
+    uint16_t *hidden = step->hidden != NULL ? step->hidden : b->own_hidden;
+    char *own_scratch = b->scratch + b->scratch_per_thread * team->thread;
+    const Step st = {
+        rows, dim, (int64_t)(m->num_q_heads + 2 * m->num_kv_heads) * m->head_dim,
+        (int64_t)m->num_q_heads * m->head_dim, m->intermediate, m->num_q_heads, m->num_kv_heads, m->head_dim,
+        m->eps, m->scale, step->positions, m->cos, m->signed_sin, step->out_slots, step->kv_indices,
+    };
+    {
+        FOR_SHARE(team, rows, r)
+            memcpy(hidden + r * dim, m->embedding + step->token_ids[r] * dim, sizeof(uint16_t) * (size_t)dim);
+    }
+    team_barrier(team);
+    for (int i = 0; i < m->num_layers; i++) {
+        const void *weights[LAYER_WEIGHTS];
+        for (int w = 0; w < LAYER_WEIGHTS; w++) weights[w] = (const void *)m->layer_weights[i * LAYER_WEIGHTS + w];
+        layer(team, &st, weights, (uint16_t *)m->k_pools[i], (uint16_t *)m->v_pools[i], step->work,
+              &step->next_items[i], hidden, b, own_scratch);
+    }
+    if (step->num_logit_rows) {
+        {
+            FOR_SHARE(team, step->num_logit_rows, i)
+                radixrt_rms_norm_row(hidden + step->logit_rows[i] * dim, NULL, m->final_norm, b->head_input + i * dim,
+                                     dim, m->eps);
+        }
+        team_barrier(team);
+        radixrt_quantized_matmul_share(team, b->head_input, dim, step->num_logit_rows, m->head, m->head_bits,
+                                       m->head_rows, dim, step->logits, NULL, own_scratch);
+    }
+}
+
 /*
  * token_ids [rows] (rows of embedding [vocab, dim] bf16) through every layer into hidden
  * [rows, dim] bf16. layer_weights: [num_layers, 6] addresses (input norm, qkv, o,
@@ -134,8 +214,11 @@ int radixrt_int4_decode_stack_bf16(
     const uint16_t *final_norm, const uint8_t *head, int head_bits, int64_t head_rows,
     int64_t num_logit_rows, const int64_t *logit_rows, float *logits, int num_threads
 ) {
-    if (num_q_heads % num_kv_heads || num_q_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM || head_dim % 2)
-        return -1;
+    const StackModel model = {
+        embedding, vocab, dim, num_layers, layer_weights, k_pools, v_pools, num_slots, eps, scale, num_q_heads,
+        num_kv_heads, head_dim, intermediate, cos, signed_sin, table_rows, final_norm, head, head_bits, head_rows,
+    };
+    if (radixrt_stack_model_check(&model)) return -1;
     for (int64_t r = 0; r < rows; r++)
         if (out_slots[r] < 0 || out_slots[r] >= num_slots) return -3;
     for (int s = 0; s < num_segments; s++)
@@ -148,69 +231,24 @@ int radixrt_int4_decode_stack_bf16(
     if (head == NULL) num_logit_rows = 0;
     for (int64_t i = 0; i < num_logit_rows; i++)
         if (logit_rows[i] < 0 || logit_rows[i] >= rows) return -6;
-    Segments seg = {num_segments, seg_starts, seg_lens, seg_row_ptr, seg_rows, num_q_heads, num_kv_heads, head_dim};
-    Step st = {
-        rows, dim, (int64_t)(num_q_heads + 2 * num_kv_heads) * head_dim, (int64_t)num_q_heads * head_dim,
-        intermediate, num_q_heads, num_kv_heads, head_dim, eps, scale, positions, cos, signed_sin, out_slots,
-        kv_indices,
-    };
-    const int64_t widest = dim > st.attn_dim ? (dim > intermediate ? dim : intermediate)
-                                             : (st.attn_dim > intermediate ? st.attn_dim : intermediate);
-    const int64_t scratch_per_thread =
-        radixrt_quantized_matmul_scratch_bytes(rows > num_logit_rows ? rows : num_logit_rows, widest);
-    Buffers b = {
-        malloc(sizeof(uint16_t) * rows * dim), malloc(sizeof(uint16_t) * rows * st.qkv_rows),
-        malloc(sizeof(uint16_t) * rows * st.attn_dim), malloc(sizeof(uint16_t) * rows * dim),
-        malloc(sizeof(uint16_t) * rows * 2 * intermediate), malloc(sizeof(uint16_t) * rows * intermediate),
-    };
-    uint16_t *head_input = malloc(sizeof(uint16_t) * (num_logit_rows ? num_logit_rows : 1) * dim);
-    uint16_t *own_hidden = NULL;
-    if (hidden == NULL) hidden = own_hidden = malloc(sizeof(uint16_t) * rows * dim);
-    char *scratch = malloc((size_t)(scratch_per_thread * num_threads));
+    Segments seg = {num_segments, seg_starts, seg_lens, seg_row_ptr, seg_rows, num_q_heads, num_kv_heads, head_dim, 0};
+    StackBuffers *buffers = radixrt_stack_buffers_new(&model, rows, num_logit_rows, hidden == NULL, num_threads);
     AttentionWork *work = radixrt_attention_work_new(&seg, num_threads);
     atomic_long *next_items = calloc(num_layers, sizeof(atomic_long));  /* each layer's attention item counter */
     SpinBarrier barrier = {0, 0};
     int status = -2;
-    if (b.normed && b.qkv && b.attn && b.projected && b.gate_up && b.activated && head_input && hidden && scratch && work &&
-        next_items) {
+    if (buffers && work && next_items) {
         status = 0;
+        const StackStep step = {rows, token_ids, positions, out_slots, kv_indices, work, next_items, hidden,
+                                num_logit_rows, logit_rows, logits};
         #pragma omp parallel num_threads(num_threads)
         {
             Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
-            char *own_scratch = scratch + scratch_per_thread * team.thread;
-            {
-                FOR_SHARE(&team, rows, r)
-                    memcpy(hidden + r * dim, embedding + token_ids[r] * dim, sizeof(uint16_t) * (size_t)dim);
-            }
-            team_barrier(&team);
-            for (int i = 0; i < num_layers; i++) {
-                const void *weights[LAYER_WEIGHTS];
-                for (int w = 0; w < LAYER_WEIGHTS; w++) weights[w] = (const void *)layer_weights[i * LAYER_WEIGHTS + w];
-                layer(&team, &st, weights, (uint16_t *)k_pools[i], (uint16_t *)v_pools[i], work, &next_items[i],
-                      hidden, &b, own_scratch);
-            }
-            if (num_logit_rows) {
-                {
-                    FOR_SHARE(&team, num_logit_rows, i)
-                        radixrt_rms_norm_row(hidden + logit_rows[i] * dim, NULL, final_norm, head_input + i * dim,
-                                             dim, eps);
-                }
-                team_barrier(&team);
-                radixrt_quantized_matmul_share(&team, head_input, dim, num_logit_rows, head, head_bits, head_rows,
-                                               dim, logits, NULL, own_scratch);
-            }
+            radixrt_stack_step(&team, &model, &step, buffers);
         }
     }
     free(next_items);
     radixrt_attention_work_free(work);
-    free(scratch);
-    free(head_input);
-    free(own_hidden);
-    free(b.normed);
-    free(b.qkv);
-    free(b.attn);
-    free(b.projected);
-    free(b.gate_up);
-    free(b.activated);
+    radixrt_stack_buffers_free(buffers);
     return status;
 }

@@ -90,6 +90,18 @@ void radixrt_quantized_matmul_share(const Team *team, const uint16_t *x, int64_t
                                     uint16_t *out_bf16, void *scratch);
 int64_t radixrt_quantized_matmul_scratch_bytes(int64_t m, int64_t num_cols);
 
+/* row_stats.c: one float32 row's first argmax, largest value and log-sum-exp */
+void radixrt_row_stats_row(const float *x, int64_t cols, int64_t *argmax, float *maximum, float *lse);
+
+/*
+ * sample_rows.c: one float32 row's token drawn at `uniform` from softmax(x / temperature) after
+ * its top-k, top-p and min-p filters (see radixrt_sample_rows). weights: cols floats of scratch
+ * (read only with top_p < 1); block_scratch: a float per block of SAMPLE_BLOCK tokens.
+ */
+#define SAMPLE_BLOCK 64
+int64_t radixrt_sample_row(const float *x, int64_t cols, float maximum, float temperature, int64_t top_k,
+                           float top_p, float min_p, double uniform, float *weights, float *block_scratch);
+
 /*
  * decode_attention.c: attention of query rows over runs of pool slots ("segments"), merged per
  * row by log-sum-exp. Segment s is the slots kv_indices[starts[s] ..][:lens[s]] and the query
@@ -125,5 +137,53 @@ void radixrt_attention_work_free(AttentionWork *work);
 void radixrt_attention_run(const Team *team, AttentionWork *work, atomic_long *next_item, const void *q,
                            int64_t q_row_stride, const void *k_pool, const void *v_pool,
                            const int64_t *kv_indices, float scale, void *out, float *lse);
+
+/*
+ * decode_stack.c: a plain Llama model on 4-bit weights as the whole-step kernels read it, and one
+ * step of it run by every thread of a team (decode_run.c runs several in a row).
+ */
+typedef struct {
+    const uint16_t *embedding;  /* [vocab, dim] bf16 */
+    int64_t vocab, dim;
+    int num_layers;
+    const int64_t *layer_weights;    /* [num_layers, 6] addresses: input norm, qkv, o, post norm, gate_up, down */
+    const int64_t *k_pools, *v_pools;  /* [num_layers] addresses of [num_slots, Hkv, D] bf16 pools */
+    int64_t num_slots;
+    float eps, scale;
+    int num_q_heads, num_kv_heads, head_dim;
+    int64_t intermediate;
+    const uint16_t *cos, *signed_sin;  /* [table_rows, head_dim] bf16 */
+    int64_t table_rows;
+    const uint16_t *final_norm;  /* NULL with head */
+    const uint8_t *head;         /* packed LM head, head_bits bits; NULL: no logits */
+    int head_bits;
+    int64_t head_rows;
+} StackModel;
+
+/* One step's rows: row r is token token_ids[r] at positions[r], its K/V stored at out_slots[r];
+ * attention as `work` plans it over kv_indices (next_items: one zeroed counter a layer); logits
+ * [num_logit_rows, head rows] of the normed rows logit_rows; hidden: [rows, dim] or NULL (the
+ * buffers' own). */
+typedef struct {
+    int64_t rows;
+    const int64_t *token_ids, *positions, *out_slots, *kv_indices;
+    AttentionWork *work;
+    atomic_long *next_items;
+    uint16_t *hidden;
+    int64_t num_logit_rows;
+    const int64_t *logit_rows;
+    float *logits;
+} StackStep;
+
+typedef struct StackBuffers StackBuffers;  /* a step's activations and each thread's scratch */
+
+/* -1 for heads or a head size the kernels do not take, else 0 */
+int radixrt_stack_model_check(const StackModel *model);
+/* buffers for steps of up to `rows` rows and `logit_rows` logit rows (NULL without memory) */
+StackBuffers *radixrt_stack_buffers_new(const StackModel *model, int64_t rows, int64_t logit_rows, int own_hidden,
+                                        int threads);
+void radixrt_stack_buffers_free(StackBuffers *buffers);
+/* Called by every thread of a team; no barrier after the head's product. Indices unchecked. */
+void radixrt_stack_step(const Team *team, const StackModel *model, const StackStep *step, StackBuffers *buffers);
 
 #endif

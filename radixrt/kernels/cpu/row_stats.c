@@ -13,35 +13,41 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "scalar.h"
 
 #define BLOCK 1024
 
+/* One row: its first argmax, largest value and log-sum-exp. Not inlined, so that every caller
+ * (the batched entry below, a decode run) gets the same vectorized reductions, bit for bit. */
+__attribute__((noinline)) void radixrt_row_stats_row(const float *x, int64_t cols, int64_t *argmax, float *maximum,
+                                                     float *lse) {
+    /* the maximum, and the first block that holds it; then its first index in that block */
+    float m = -INFINITY;
+    int64_t best = 0;
+    for (int64_t start = 0; start < cols; start += BLOCK) {
+        const int64_t end = start + BLOCK < cols ? start + BLOCK : cols;
+        float block_max = -INFINITY;
+        #pragma omp simd reduction(max:block_max)
+        for (int64_t i = start; i < end; i++) block_max = x[i] > block_max ? x[i] : block_max;
+        if (block_max > m) {
+            m = block_max;
+            best = start;
+        }
+    }
+    int64_t first = best;
+    while (first < cols - 1 && x[first] != m) first++;  /* within one block (a row of NaNs: the last) */
+    float total = 0.0f;
+    #pragma omp simd reduction(+:total)
+    for (int64_t i = 0; i < cols; i++) total += exp_approx(x[i] - m);
+    *argmax = first;
+    *maximum = m;
+    *lse = m + logf(total);
+}
+
 void radixrt_row_stats(const float *logits, int64_t rows, int64_t cols, int64_t row_stride, int64_t *argmax,
                        float *maximum, float *lse, int num_threads) {
     #pragma omp parallel for num_threads(num_threads) if (rows >= 4)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *x = logits + r * row_stride;
-        /* the maximum, and the first block that holds it; then its first index in that block */
-        float m = -INFINITY;
-        int64_t best = 0;
-        for (int64_t start = 0; start < cols; start += BLOCK) {
-            const int64_t end = start + BLOCK < cols ? start + BLOCK : cols;
-            float block_max = -INFINITY;
-            #pragma omp simd reduction(max:block_max)
-            for (int64_t i = start; i < end; i++) block_max = x[i] > block_max ? x[i] : block_max;
-            if (block_max > m) {
-                m = block_max;
-                best = start;
-            }
-        }
-        int64_t first = best;
-        while (first < cols - 1 && x[first] != m) first++;  /* within one block (a row of NaNs: the last) */
-        float total = 0.0f;
-        #pragma omp simd reduction(+:total)
-        for (int64_t i = 0; i < cols; i++) total += exp_approx(x[i] - m);
-        argmax[r] = first;
-        maximum[r] = m;
-        lse[r] = m + logf(total);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        radixrt_row_stats_row(logits + r * row_stride, cols, argmax + r, maximum + r, lse + r);
 }

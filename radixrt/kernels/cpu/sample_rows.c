@@ -26,9 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "scalar.h"
-
-#define SAMPLE_BLOCK 64
 
 /* Unsigned keys in the order of the floats (-inf lowest): a float's bits, sign-adjusted. */
 static inline uint32_t order_key(float x) {
@@ -203,6 +202,18 @@ static int64_t sample_row(const float *x, const float *weights, int64_t cols, fl
     return last_positive >= 0 ? last_positive : cols - 1;  /* no finite logit: no meaningful token */
 }
 
+/* One row's token (see radixrt_sample_rows). `weights`: cols floats of scratch, needed only
+ * with top_p < 1; `block_scratch`: a float per block of SAMPLE_BLOCK tokens. Not inlined, so
+ * that every caller (the batched entry below, a decode run) samples with the same arithmetic. */
+__attribute__((noinline)) int64_t radixrt_sample_row(const float *x, int64_t cols, float maximum, float temperature,
+                                                     int64_t top_k, float top_p, float min_p, double uniform,
+                                                     float *weights, float *block_scratch) {
+    int weighed = 0;
+    const uint32_t lowest =
+        filter_key(x, cols, maximum, temperature, top_k, top_p, min_p, weights, &weighed, block_scratch);
+    return sample_row(x, weighed ? weights : NULL, cols, maximum, temperature, lowest, uniform, block_scratch);
+}
+
 /* tokens[rows[i]] for row rows[i], with maxima[rows[i]] (the row's largest logit), temperatures[i]
  * (> 0), filters top_k[i] (none: <= 1 or >= cols), top_p[i] (none: >= 1), min_p[i] (none: 0), and
  * uniforms[i] in (0, 1); the other entries of tokens are left as they are. Returns 0, or -1
@@ -227,12 +238,8 @@ int radixrt_sample_rows(const float *logits, int64_t num_rows, const int64_t *ro
         const int thread = omp_get_thread_num();
         float *block_scratch = block_sums + num_blocks * thread;  /* free until sample_row */
         float *row_weights = weights == NULL ? NULL : weights + cols * thread;
-        const float maximum = maxima[rows[i]];
-        int weighed = 0;
-        const uint32_t lowest = filter_key(x, cols, maximum, temperatures[i], top_k[i], top_p[i], min_p[i],
-                                           row_weights, &weighed, block_scratch);
-        tokens[rows[i]] = sample_row(x, weighed ? row_weights : NULL, cols, maximum, temperatures[i], lowest,
-                                     uniforms[i], block_scratch);
+        tokens[rows[i]] = radixrt_sample_row(x, cols, maxima[rows[i]], temperatures[i], top_k[i], top_p[i],
+                                             min_p[i], uniforms[i], row_weights, block_scratch);
     }
     free(block_sums);
     free(weights);

@@ -1,0 +1,219 @@
+/*
+ * A decode run: several decode steps of a steady batch in one call, each
+ * sampling its tokens and feeding them to the next.
+ *
+ * A batch-1 step of the bundled model takes ~2.5 ms in decode_stack.c, and
+ * the engine around it ~0.4 ms more a token: scheduling, building the
+ * batch, sampling, bookkeeping, and Python's own working set coming back from
+ * memory after the step streamed ~96 MB of weights through the caches. When
+ * nothing is waiting to be admitted and every request of the batch samples
+ * with what the C sampler computes, the engine hands k steps to this call:
+ *
+ *   step s:  tokens (the caller's, then the ones step s - 1 sampled)
+ *            -> radixrt_stack_step at positions p + s, K/V into the rows' next slots
+ *            -> per row: row stats, then its token (argmax, or drawn at uniforms[s])
+ *            -> stop after this step when a row drew one of its stop tokens
+ *
+ * Each step computes exactly what a one-step call with the same requests
+ * computes: the same kernels, attention cut into the same pieces as
+ * `aligned_attention_segments` (whole chunks of `chunk` keys, a chunk several
+ * rows share listed once, then each row's tail), the sampler's own row
+ * functions. So a run's tokens and log-probabilities are those of k single
+ * steps, bit for bit (tests/test_decode_run.py).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* Segments of one step, rebuilt as the rows' contexts grow. */
+typedef struct {
+    int64_t *starts, *lens, *row_ptr, *rows;
+    int64_t *entry_start, *entry_len, *entry_row;  /* one round's (start, length, row) before grouping */
+    char *grouped;
+} SegmentPlan;
+
+/*
+ * Row r attends keys 0 .. positions[r] of its slots, which begin at slot_starts[r] in the
+ * slot list: whole chunks k (from the owner's slots while k < shared_chunks[r]), then the
+ * tail. Round k lists every row's piece k; rows with the same piece share one segment.
+ */
+static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positions, const int64_t *slot_starts,
+                         const int64_t *owner, const int64_t *shared_chunks, int64_t chunk) {
+    int64_t rounds = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pieces = (positions[r] + 1 + chunk - 1) / chunk;
+        rounds = pieces > rounds ? pieces : rounds;
+    }
+    int count = 0;
+    int64_t listed = 0;
+    plan->row_ptr[0] = 0;
+    for (int64_t k = 0; k < rounds; k++) {
+        int64_t entries = 0;
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t keys = positions[r] + 1, whole = keys / chunk;
+            int64_t start, len;
+            if (k < whole) {
+                start = slot_starts[k < shared_chunks[r] ? owner[r] : r] + k * chunk;
+                len = chunk;
+            } else if (k == whole && keys % chunk) {
+                start = slot_starts[r] + k * chunk;
+                len = keys - k * chunk;
+            } else {
+                continue;
+            }
+            plan->entry_start[entries] = start;
+            plan->entry_len[entries] = len;
+            plan->entry_row[entries] = r;
+            plan->grouped[entries++] = 0;
+        }
+        for (int64_t e = 0; e < entries; e++) {
+            if (plan->grouped[e]) continue;
+            plan->starts[count] = plan->entry_start[e];
+            plan->lens[count] = plan->entry_len[e];
+            for (int64_t f = e; f < entries; f++) {
+                if (plan->grouped[f] || plan->entry_start[f] != plan->entry_start[e] ||
+                    plan->entry_len[f] != plan->entry_len[e])
+                    continue;
+                plan->grouped[f] = 1;
+                plan->rows[listed++] = plan->entry_row[f];
+            }
+            plan->row_ptr[++count] = listed;
+        }
+    }
+    return count;
+}
+
+/*
+ * The model as in radixrt_int4_decode_stack_bf16 (the head required); the batch: `rows`
+ * sequences, row r's last token first_tokens[r] at first_positions[r] (its keys before the run
+ * fill positions 0 .. first_positions[r] - 1), its slots slots[slot_starts[r] ..] for positions
+ * 0 .. first_positions[r] + num_steps - 1, its whole chunks k < shared_chunks[r] read from row
+ * owner[r]'s slots (a prefix they share, `chunk` keys a chunk). Sampling: temperatures[r] 0 is
+ * greedy (the first argmax), else a draw at uniforms[s * rows + r] after top_k[r], top_p[r],
+ * min_p[r] (radixrt_sample_rows); row r stops the run at a token among stop_ids[stop_ptr[r] ..
+ * stop_ptr[r + 1]). tokens, logprobs: [num_steps, rows], step s's token of row r and its
+ * log-probability at temperature 1.
+ * Returns the steps run (1 .. num_steps: after the first stop token), or before computing
+ * anything -1 for a shape the kernels do not take, -2 without memory, -3 for a slot outside the
+ * pools, -4 for a token id outside the embedding, -5 for a position outside the tables.
+ */
+int radixrt_int4_decode_run_bf16(
+    const uint16_t *embedding, int64_t vocab, int64_t dim, int num_layers, const int64_t *layer_weights,
+    const int64_t *k_pools, const int64_t *v_pools, int64_t num_slots, float eps, int num_q_heads, int num_kv_heads,
+    int head_dim, int64_t intermediate, float scale, const uint16_t *cos, const uint16_t *signed_sin,
+    int64_t table_rows, const uint16_t *final_norm, const uint8_t *head, int head_bits, int64_t head_rows,
+    int64_t rows, const int64_t *first_tokens, const int64_t *first_positions, const int64_t *slots,
+    const int64_t *slot_starts, const int64_t *owner, const int64_t *shared_chunks, int64_t chunk,
+    const float *temperatures, const int64_t *top_k, const float *top_p, const float *min_p, const double *uniforms,
+    const int64_t *stop_ptr, const int64_t *stop_ids, int num_steps, int64_t *tokens, float *logprobs,
+    int num_threads
+) {
+    const StackModel model = {
+        embedding, vocab, dim, num_layers, layer_weights, k_pools, v_pools, num_slots, eps, scale, num_q_heads,
+        num_kv_heads, head_dim, intermediate, cos, signed_sin, table_rows, final_norm, head, head_bits, head_rows,
+    };
+    if (radixrt_stack_model_check(&model) || head == NULL || head_rows > vocab || rows < 1 || num_steps < 1 ||
+        chunk < 1)
+        return -1;
+    int64_t last_position = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        if (first_tokens[r] < 0 || first_tokens[r] >= vocab) return -4;
+        const int64_t last = first_positions[r] + num_steps - 1;
+        if (first_positions[r] < 0 || last >= table_rows) return -5;
+        if (owner[r] < 0 || owner[r] >= rows) return -1;
+        for (int64_t j = 0; j <= last; j++)
+            if (slots[slot_starts[r] + j] < 0 || slots[slot_starts[r] + j] >= num_slots) return -3;
+        last_position = last > last_position ? last : last_position;
+    }
+    const int64_t max_pieces = rows * ((last_position + 1 + chunk - 1) / chunk);
+    const int64_t num_blocks = (head_rows + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    SegmentPlan plan = {
+        malloc(sizeof(int64_t) * max_pieces), malloc(sizeof(int64_t) * max_pieces),
+        malloc(sizeof(int64_t) * (max_pieces + 1)), malloc(sizeof(int64_t) * max_pieces),
+        malloc(sizeof(int64_t) * rows), malloc(sizeof(int64_t) * rows), malloc(sizeof(int64_t) * rows), malloc(rows),
+    };
+    int64_t *current = malloc(sizeof(int64_t) * rows * 3);  /* this step's tokens, positions, out slots */
+    float *logits = malloc(sizeof(float) * rows * head_rows);
+    float *sample_scratch = malloc(sizeof(float) * (head_rows + num_blocks) * num_threads);
+    atomic_long *next_items = calloc(num_layers, sizeof(atomic_long));
+    StackBuffers *buffers = radixrt_stack_buffers_new(&model, rows, rows, 1, num_threads);
+    int64_t *logit_rows = malloc(sizeof(int64_t) * rows);
+    int done = -2;
+    if (plan.starts && plan.lens && plan.row_ptr && plan.rows && plan.entry_start && plan.entry_len &&
+        plan.entry_row && plan.grouped && current && logits && sample_scratch && next_items && buffers &&
+        logit_rows) {
+        int64_t *step_tokens = current, *positions = current + rows, *out_slots = current + 2 * rows;
+        for (int64_t r = 0; r < rows; r++) {
+            step_tokens[r] = first_tokens[r];
+            logit_rows[r] = r;
+        }
+        Segments seg = {0, plan.starts, plan.lens, plan.row_ptr, plan.rows, num_q_heads, num_kv_heads, head_dim, 0};
+        StackStep step = {rows, step_tokens, positions, out_slots, slots, NULL, next_items, NULL, rows, logit_rows,
+                          logits};
+        SpinBarrier barrier = {0, 0};
+        atomic_int stopped = 0;
+        done = 0;
+        #pragma omp parallel num_threads(num_threads)
+        {
+            Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
+            float *weights = sample_scratch + (head_rows + num_blocks) * team.thread;
+            float *block_sums = weights + head_rows;
+            for (int s = 0; s < num_steps; s++) {
+                if (team.thread == 0) {
+                    for (int64_t r = 0; r < rows; r++) {
+                        positions[r] = first_positions[r] + s;
+                        out_slots[r] = slots[slot_starts[r] + positions[r]];
+                    }
+                    seg.num_segments = plan_segments(&plan, rows, positions, slot_starts, owner, shared_chunks,
+                                                     chunk);
+                    radixrt_attention_work_free(step.work);
+                    step.work = radixrt_attention_work_new(&seg, team.threads);
+                    for (int i = 0; i < num_layers; i++) atomic_store(&next_items[i], 0);
+                }
+                team_barrier(&team);
+                if (step.work == NULL) break;  /* every thread sees it: no memory for this step */
+                radixrt_stack_step(&team, &model, &step, buffers);
+                team_barrier(&team);
+                int64_t first, last;
+                team_share(&team, rows, &first, &last);
+                for (int64_t r = first; r < last; r++) {
+                    const float *x = logits + r * head_rows;
+                    int64_t token;
+                    float maximum, lse;
+                    radixrt_row_stats_row(x, head_rows, &token, &maximum, &lse);
+                    if (temperatures[r] > 0.0f)
+                        token = radixrt_sample_row(x, head_rows, maximum, temperatures[r], top_k[r], top_p[r],
+                                                   min_p[r], uniforms[s * rows + r], weights, block_sums);
+                    tokens[s * rows + r] = token;
+                    logprobs[s * rows + r] = x[token] - lse;
+                    step_tokens[r] = token;
+                    for (int64_t j = stop_ptr[r]; j < stop_ptr[r + 1]; j++)
+                        if (stop_ids[j] == token) atomic_store(&stopped, 1);
+                }
+                team_barrier(&team);
+                if (team.thread == 0) done = s + 1;
+                if (atomic_load(&stopped)) break;
+            }
+        }
+        radixrt_attention_work_free(step.work);
+        if (done == 0) done = -2;
+    }
+    free(plan.starts);
+    free(plan.lens);
+    free(plan.row_ptr);
+    free(plan.rows);
+    free(plan.entry_start);
+    free(plan.entry_len);
+    free(plan.entry_row);
+    free(plan.grouped);
+    free(current);
+    free(logits);
+    free(sample_scratch);
+    free(next_items);
+    radixrt_stack_buffers_free(buffers);
+    free(logit_rows);
+    return done;
+}

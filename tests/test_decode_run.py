@@ -1,0 +1,137 @@
+"""Decode runs (kernels/cpu/decode_run.c): k decode steps in one call give what k single steps give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixrt.kernels import cpu
+from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.model.linear import PackedLMHead
+from radixrt.model.llama import LlamaForCausalLM
+from radixrt.model.runner import ModelRunner
+from radixrt.sampling.params import SamplingParams
+from radixrt.sampling.sampler import Sampler, run_sampling
+from tests.test_decode_stack import VOCAB, filled_runner, native_llama
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    if cpu.decode_run() is None:
+        pytest.skip("no C compiler or no AVX512-BF16 on this CPU: no whole-step kernel")
+    ours = native_llama(quantized_head=True)
+    assert isinstance(ours._invariant_lm_head, PackedLMHead)
+    return ours
+
+
+def deterministic_runner(model: LlamaForCausalLM, num_slots: int) -> ModelRunner:
+    runner = filled_runner(model, num_slots, seed=3)
+    runner = ModelRunner(model, runner.kv_cache, runner.backend, deterministic=True)
+    assert runner.runs_decodes
+    return runner
+
+
+def sequences(contexts: list[int], shared: int, steps: int, seed: int) -> tuple[list[torch.Tensor], int]:
+    """Each sequence's slots for its context and `steps` more tokens, scattered over a pool; the
+    first `shared` slots common to all."""
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(contexts) + steps * len(contexts)
+    order = torch.randperm(total + 7, generator=generator)
+    common, taken, slots = order[:shared], shared, []
+    for context in contexts:
+        own = context + steps - shared
+        slots.append(torch.cat([common, order[taken : taken + own]]))
+        taken += own
+    return slots, total + 7
+
+
+def step_by_step(runner: ModelRunner, tokens, positions, slots, params, seeds, stops, steps):
+    """The reference: one `forward` and one `Sampler.sample` a step, stopping as a run does."""
+    sampler, outputs, logprobs = Sampler(), [[] for _ in tokens], [[] for _ in tokens]
+    tokens, positions = list(tokens), list(positions)
+    for _ in range(steps):
+        batch = ForwardBatch.build([[t] for t in tokens], positions, [s[: p + 1] for s, p in zip(slots, positions)])
+        logits = runner.forward(batch)
+        out = sampler.sample(logits, params, seeds, [[] for _ in tokens], outputs)
+        tokens = out.token_ids.tolist()
+        for i, (token, logprob) in enumerate(zip(tokens, out.logprobs.tolist())):
+            outputs[i].append(token)
+            logprobs[i].append(logprob)
+        positions = [p + 1 for p in positions]
+        if any(t in stop for t, stop in zip(tokens, stops)):
+            break
+    return torch.tensor(outputs).T, torch.tensor(logprobs).T
+
+
+MIXED = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=5),
+    SamplingParams(temperature=1.3, top_k=5, seed=6),
+    SamplingParams(temperature=0.7, min_p=0.1, seed=7),
+]
+
+
+@pytest.mark.parametrize(
+    "contexts, shared",
+    [([37], 0), ([300, 5, 1, 700], 0), ([600, 300, 290, 500], 280), ([256, 511, 512, 513], 256)],
+)
+def test_a_run_gives_the_tokens_and_logprobs_of_single_steps(model, contexts, shared):
+    """Contexts crossing the 256-key chunks during the run, shared prefixes of whole chunks, greedy
+    and every filter: tokens and log-probabilities equal bit for bit, and the same K/V written."""
+    steps = 6
+    slots, num_slots = sequences(contexts, shared, steps, seed=len(contexts))
+    params = [MIXED[i % len(MIXED)] for i in range(len(contexts))]
+    seeds = [11 * i + 1 for i in range(len(contexts))]
+    tokens = [(7 * i + 3) % VOCAB for i in range(len(contexts))]
+    stops = [[] for _ in contexts]
+    reference = deterministic_runner(model, num_slots)
+    want_tokens, want_logprobs = step_by_step(reference, tokens, contexts, slots, params, seeds, stops, steps)
+
+    runner = deterministic_runner(model, num_slots)
+    sampling = run_sampling(params, seeds, [0] * len(contexts), stops, steps)
+    got_tokens, got_logprobs = runner.decode_run(tokens, contexts, slots, sampling, steps)
+    assert torch.equal(got_tokens, want_tokens)
+    assert torch.equal(got_logprobs, want_logprobs)
+    assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.k, reference.kv_cache.k))
+    assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.v, reference.kv_cache.v))
+
+
+def test_a_run_stops_after_the_step_that_drew_a_stop_token(model):
+    contexts, steps = [40, 90], 8
+    slots, num_slots = sequences(contexts, 0, steps, seed=1)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=2)]
+    tokens, seeds = [5, 6], [1, 2]
+    free_tokens, _ = step_by_step(deterministic_runner(model, num_slots), tokens, contexts, slots, params, seeds,
+                                  [[], []], steps)  # fmt: skip
+    stop = int(free_tokens[3, 1])  # row 1's fourth token (unless an earlier one is the same)
+    first = next(s for s in range(steps) if int(free_tokens[s, 1]) == stop)
+    runner = deterministic_runner(model, num_slots)
+    got, _ = runner.decode_run(tokens, contexts, slots, run_sampling(params, seeds, [0, 0], [[], [stop]], steps),
+                               steps)  # fmt: skip
+    assert torch.equal(got, free_tokens[: first + 1])
+
+
+def test_a_run_continues_a_request_from_its_output_count(model):
+    """Step s of a run draws output token `num_outputs + s`: a run after three tokens draws what
+    steps 3.. of a longer run do."""
+    contexts, steps = [64], 5
+    slots, num_slots = sequences(contexts, 0, steps, seed=2)
+    params, seeds = [SamplingParams(temperature=1.0, seed=9)], [9]
+    want, _ = step_by_step(deterministic_runner(model, num_slots), [4], contexts, slots, params, seeds, [[]], steps)
+    runner = deterministic_runner(model, num_slots)
+    first, _ = runner.decode_run([4], contexts, slots, run_sampling(params, seeds, [0], [[]], 3), 3)
+    rest, _ = runner.decode_run([int(first[-1, 0])], [contexts[0] + 3], slots,
+                                run_sampling(params, seeds, [3], [[]], 2), 2)  # fmt: skip
+    assert torch.equal(torch.cat([first, rest]), want)
+
+
+def test_a_run_refuses_slots_positions_and_tokens_outside_its_tables(model):
+    slots, num_slots = sequences([10], 0, 4, seed=3)
+    runner = deterministic_runner(model, num_slots)
+    sampling = run_sampling([SamplingParams(temperature=0)], [0], [0], [[]], 4)
+    before = [pool.clone() for pool in runner.kv_cache.k]
+    with pytest.raises(IndexError, match="slot"):
+        runner.decode_run([1], [10], [torch.cat([slots[0][:-1], torch.tensor([num_slots])])], sampling, 4)
+    with pytest.raises(IndexError, match="token id"):
+        runner.decode_run([VOCAB], [10], slots, sampling, 4)
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.k)), "nothing computed"
