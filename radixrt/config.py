@@ -52,6 +52,15 @@ class RuntimeConfig:
         ValueError at construction. "auto" (the default) is True where they
         serve it (it costs nothing measurable there) and False elsewhere.
     check_invariants: check tree, pool and request bookkeeping after every step (tests).
+    decode_steps: when every running request is decoding, none is waiting and
+        each samples with temperature, top-k, top-p or min-p only (no
+        penalties, no top log-probabilities), run up to this many decode
+        steps in one call of radixrt's C kernels (deterministic native 4-bit
+        steps; elsewhere one step a call): no scheduling, sampling in Python
+        or bookkeeping between them. Outputs are the same bits as step by
+        step; streamed tokens arrive that many at a time, and a request that
+        arrives meanwhile waits for the run's end (docs/benchmarks.md has
+        the trade-off measured). 1 turns runs off.
 
     Tuning (the defaults were measured on the CPU path; see docs/design.md):
     new_token_reserve_clip: a request's remaining max_new_tokens count at most
@@ -92,6 +101,7 @@ class RuntimeConfig:
     max_prefill_tokens: int = 8192
     new_token_reserve_ratio: float = 0.3
     check_invariants: bool = False
+    decode_steps: int = 8
     deterministic: bool | str = "auto"
     new_token_reserve_clip: int = 4096
     lpm_queue_limit: int = 128
@@ -108,6 +118,7 @@ class RuntimeConfig:
         _require_int("chunked_prefill_size", self.chunked_prefill_size, 1)
         _require_int("max_running_requests", self.max_running_requests, 1)
         _require_int("max_prefill_tokens", self.max_prefill_tokens, 1)
+        _require_int("decode_steps", self.decode_steps, 1)
         _require_int("new_token_reserve_clip", self.new_token_reserve_clip, 0)
         _require_int("lpm_queue_limit", self.lpm_queue_limit, 0)
         _require_int("in_batch_share_min_tokens", self.in_batch_share_min_tokens, 1)

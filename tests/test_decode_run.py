@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
 from radixrt.kernels import cpu
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.linear import PackedLMHead
+from radixrt.model.loader import LoadedModel
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.runner import ModelRunner
 from radixrt.sampling.params import SamplingParams
 from radixrt.sampling.sampler import Sampler, run_sampling
+from radixrt.runtime.api import Runtime
+from tests.conftest import TINY_VOCAB
 from tests.test_decode_stack import VOCAB, filled_runner, native_llama
 
 
@@ -135,3 +142,99 @@ def test_a_run_refuses_slots_positions_and_tokens_outside_its_tables(model):
     with pytest.raises(IndexError, match="token id"):
         runner.decode_run([VOCAB], [10], slots, sampling, 4)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.k)), "nothing computed"
+
+
+# --- through the runtime ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def loaded(model: LlamaForCausalLM, tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny native Llama as a runtime serves it (vocabulary of the tiny tokenizer)."""
+    ours = native_llama(TINY_VOCAB, quantized_head=True)
+    return LoadedModel(model=ours, config=ours.config, tokenizer=tiny_tokenizer, name="tiny-native",
+                       path=Path(tmp_path_factory.mktemp("tiny-native")), weights="native",
+                       read_hf_config=lambda: None)  # fmt: skip
+
+
+class RunSpy:
+    """Counts the decode runs and the steps they ran (the real `ModelRunner.decode_run` does the work)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.runs, self.steps = 0, 0
+        real = ModelRunner.decode_run
+
+        def counted(runner: ModelRunner, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            tokens, logprobs = real(runner, *args)
+            self.runs += 1
+            self.steps += tokens.shape[0]
+            return tokens, logprobs
+
+        monkeypatch.setattr(ModelRunner, "decode_run", counted)
+
+
+REQUESTS = [
+    ("the quick brown fox", {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}),
+    ("the quick brown fox", {"temperature": 0.9, "top_p": 0.8, "seed": 3, "max_new_tokens": 25}),
+    ("a story about", {"temperature": 1.2, "top_k": 7, "min_p": 0.05, "seed": 4, "max_new_tokens": 2}),
+    ("a story about", {"temperature": 0, "max_new_tokens": 40, "stop": [" the", "ing"]}),
+    ("once upon a time", {"temperature": 0.7, "seed": 5, "max_new_tokens": 33, "stop_token_ids": [100, 200, 300],
+                          "return_logprob": True}),
+]
+
+
+def serve(loaded: LoadedModel, requests: list[tuple[str, dict[str, Any]]], stream: bool = False,
+          **options: Any) -> list[Any]:
+    with Runtime(loaded, check_invariants=True, max_total_tokens=2048, **options) as runtime:
+        assert runtime.deterministic
+
+        async def all_together() -> list[Any]:
+            async def one(prompt: str, params: dict[str, Any]) -> Any:
+                answer = await runtime.async_generate(prompt, params, stream=stream)
+                if not stream:
+                    return answer
+                return [chunk async for chunk in answer]
+
+            return await asyncio.gather(*(one(prompt, params) for prompt, params in requests))
+
+        return asyncio.run(all_together())
+
+
+def test_the_runtime_gives_the_same_outputs_with_and_without_decode_runs(loaded, monkeypatch):
+    """Greedy and sampled requests, filters, stop strings, stop tokens, short limits, log-probs:
+    the same results (and invariants checked after every step or run) with runs of 8 and 3 as
+    step by step; and runs did happen."""
+    step_by_step = serve(loaded, REQUESTS, decode_steps=1)
+    spy = RunSpy(monkeypatch)
+    for steps in (8, 3):
+        runs_before = spy.runs
+        results = serve(loaded, REQUESTS, decode_steps=steps)
+        assert spy.runs > runs_before
+        for got, want in zip(results, step_by_step):
+            assert got["output_ids"] == want["output_ids"]
+            assert got["text"] == want["text"]
+            assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+            assert got["meta_info"].get("output_token_logprobs") == want["meta_info"].get("output_token_logprobs")
+    assert spy.steps > 2 * spy.runs, "runs of several steps"
+
+
+def test_streams_carry_the_same_text_a_run_at_a_time(loaded, monkeypatch):
+    want = serve(loaded, REQUESTS, stream=True, decode_steps=1)
+    spy = RunSpy(monkeypatch)
+    got = serve(loaded, REQUESTS, stream=True, decode_steps=8)
+    assert spy.runs
+    for chunks, reference in zip(got, want):
+        assert "".join(c["text"] for c in chunks) == "".join(c["text"] for c in reference)
+        assert [i for c in chunks for i in c["output_ids"]] == [i for c in reference for i in c["output_ids"]]
+    assert sum(map(len, got)) < sum(map(len, want)), "the tokens of a run arrive together"
+
+
+def test_penalties_and_top_logprobs_decode_step_by_step(loaded, monkeypatch):
+    spy = RunSpy(monkeypatch)
+    serve(loaded, [("the quick", {"temperature": 0, "max_new_tokens": 12, "repetition_penalty": 1.3}),
+                   ("the quick", {"temperature": 0, "max_new_tokens": 12, "top_logprobs_num": 2,
+                                  "return_logprob": True})])  # fmt: skip
+    assert spy.runs == 0
+
+
+def test_decode_steps_must_be_a_positive_integer(loaded):
+    for bad in (0, -1, 2.5, "8"):
+        with pytest.raises(ValueError, match="decode_steps"):
+            Runtime(loaded, decode_steps=bad)

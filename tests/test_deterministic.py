@@ -272,6 +272,8 @@ def test_aligned_segments_give_each_row_its_window_in_chunk_pieces(prefix_len, e
 # options, how they are submitted).
 CONFIGURATIONS: list[tuple[str, dict[str, Any], str]] = [
     ("one batch", {}, "together"),
+    ("one step a call (no decode runs)", {"decode_steps": 1}, "together"),
+    ("decode runs of 3", {"decode_steps": 3}, "together"),
     ("one at a time", {}, "one by one"),
     ("shuffled", {}, "shuffled"),
     ("two running at most", {"max_running_requests": 2}, "together"),

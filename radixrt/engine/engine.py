@@ -3,8 +3,13 @@
     Scheduler.schedule ─► ForwardBatch ─► ModelRunner.forward (logit rows of the LogitPlan)
         ─► LogitPlan: prompt log-probs, Sampler ─► Scheduler.postprocess ─► Request.take_output
 
+When the batch is steady (every request decoding, none waiting) and the
+runner can, a step is a decode run instead: `decode_steps` steps in one call
+of the C kernels, sampling included (`Scheduler.run_length`), then
+`Scheduler.postprocess_run` appends each request's tokens as single steps would.
+
 The engine is synchronous and single-threaded: `step()` does one model
-forward for whatever the scheduler picked. `radixrt.Runtime` drives it from a
+forward (or run) for whatever the scheduler picked. `radixrt.Runtime` drives it from a
 background thread; requests arrive already validated (in the caller's
 thread), and each reports its outputs through its own `on_output`.
 """
@@ -18,11 +23,11 @@ import torch
 from radixrt.config import RuntimeConfig
 from radixrt.engine.cache_manager import CacheManager
 from radixrt.engine.logits import LogitPlan
-from radixrt.engine.request import Request
+from radixrt.engine.request import Request, stop_token_ids
 from radixrt.engine.scheduler import ScheduledBatch, Scheduler
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.runner import ModelRunner
-from radixrt.sampling.sampler import Sampler
+from radixrt.sampling.sampler import Sampler, run_sampling
 
 logger = logging.getLogger("radixrt.engine")
 
@@ -34,6 +39,7 @@ class Engine:
         self.device = runner.device
         self.scheduler = Scheduler(cache, config)
         self.sampler = Sampler()
+        self._runs_decodes = runner.runs_decodes
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens the model actually ran, all requests together
         self.num_generated_tokens = 0
@@ -92,8 +98,13 @@ class Engine:
             logger.debug("retracted %s (%d output tokens kept)", req.rid, len(req.output_ids))
         if not batch.items:
             return
-        self.num_steps += 1
         self._log_step(batch)
+        if self._runs_decodes:
+            num_steps = self.scheduler.run_length(batch, self.config.decode_steps)
+            if num_steps > 1:
+                self._decode_run(batch, num_steps)
+                return
+        self.num_steps += 1
         forward_batch = ForwardBatch.build(
             [r.fill_slice(r.num_computed, r.num_computed + n) for r, n in batch.items],
             [r.num_computed for r, _ in batch.items],
@@ -112,6 +123,26 @@ class Engine:
         self.num_generated_tokens += sum(token is not None for token in next_tokens)
         self.scheduler.postprocess(batch, next_tokens)
         for req, _ in batch.items:
+            _report(req)
+        if self.config.check_invariants:
+            self.check_invariants()
+
+    def _decode_run(self, batch: ScheduledBatch, num_steps: int) -> None:
+        """Up to `num_steps` decode steps of a steady batch in one call (`ModelRunner.decode_run`):
+        the tokens, log-probabilities and K/V of as many `step`s, without the engine between them."""
+        reqs = [req for req, _ in batch.items]
+        sampling = run_sampling(
+            [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
+            [stop_token_ids(r.params, r.eos_token_ids) for r in reqs], num_steps,
+        )  # fmt: skip
+        tokens, logprobs = self.runner.decode_run(
+            [r.fill_slice(r.num_computed, r.num_computed + 1)[0] for r in reqs], [r.num_computed for r in reqs],
+            [r.slots[: r.num_computed + num_steps] for r in reqs], sampling, num_steps,
+        )  # fmt: skip
+        self.num_steps += tokens.shape[0]
+        self.num_computed_tokens += tokens.numel()
+        self.num_generated_tokens += self.scheduler.postprocess_run(batch, tokens.tolist(), logprobs.tolist())
+        for req in reqs:
             _report(req)
         if self.config.check_invariants:
             self.check_invariants()

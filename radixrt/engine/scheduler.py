@@ -31,6 +31,7 @@ from radixrt.engine.cache_manager import CacheManager
 from radixrt.engine.logits import NextToken
 from radixrt.engine.policies import order_waiting
 from radixrt.engine.request import FinishReason, Request, RequestStatus
+from radixrt.sampling.sampler import runs_with
 
 
 @dataclass
@@ -146,6 +147,40 @@ class Scheduler:
                 self._finish(req)
             elif num > 1 or computed_prompt:
                 self.cache.cache_computed(req)  # the prompt is computed: let others hit it now
+
+    def run_length(self, batch: ScheduledBatch, max_steps: int) -> int:
+        """How many decode steps `batch` runs back to back in one call (1: this step alone), with
+        slots reserved for all of them.
+
+        Only a steady batch runs: every request of it decoding, none waiting (a run holds new
+        requests back for its length), each sampling as the run's C sampler does
+        (`sampler.runs_with`); at most as many steps as the request closest to its token
+        limit may still take.
+        """
+        if max_steps < 2 or self.waiting or batch.retracted or batch.admitted:
+            return 1
+        if any(num != 1 for _, num in batch.items) or not all(runs_with(r.params) for r, _ in batch.items):
+            return 1
+        steps = min(max_steps, *(r.remaining_new_tokens for r, _ in batch.items))
+        if steps < 2 or not all(self.cache.reserve(r, steps) for r, _ in batch.items):
+            return 1  # slots already reserved stay with their requests for the next steps
+        return steps
+
+    def postprocess_run(self, batch: ScheduledBatch, tokens: list[list[int]], logprobs: list[list[float]]) -> int:
+        """Advance the requests of a decode run (`run_length`) by its steps: `tokens[s][i]`, of log-probability
+        `logprobs[s][i]`, was sampled for `batch.items[i]` in step s. A request that a token ends
+        (a stop token, a stop string, its limit) keeps nothing after it: the later steps' K/V
+        sit in slots it gives back. Returns how many tokens were appended."""
+        appended = 0
+        for i, (req, _) in enumerate(batch.items):
+            for step_tokens, step_logprobs in zip(tokens, logprobs):
+                req.num_computed += 1
+                req.append_token(step_tokens[i], step_logprobs[i])
+                appended += 1
+                if req.finish_reason is not None:
+                    self._finish(req)
+                    break
+        return appended
 
     def abort(self, rid: str, message: str) -> list[Request]:
         """End the unfinished requests with this id or group id and free what they hold.
