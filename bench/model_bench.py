@@ -13,7 +13,9 @@ or a named shape from SHAPES with random weights) on this machine, per dtype:
             the LM head once) divided by it: no step can be faster
   loop      a batch-1 decode step in a loop of back-to-back steps (the state a decode loop
             runs in, not in the wake of a transformers step) against the floor at the
-            bandwidth measured between its steps (--runs rounds of one sum and 20 steps)
+            bandwidth measured between its steps (--runs rounds of one sum and 24 steps);
+            and, where the runtime decodes a steady batch in decode runs (deterministic
+            native weights), a step of a run of 8 greedy steps in the same rounds
 Medians (or with --statistic min, best times) of --runs timed runs after one warm-up,
 radixrt and transformers alternating. Use min on a machine shared with other jobs: the
 best run is the one least disturbed. `--weights native` runs radixrt on the GGUF file's
@@ -48,6 +50,8 @@ from radixrt.memory.kv_cache import KVCache
 from radixrt.model.gguf_int4 import Int8Weight, read_lm_head
 from radixrt.model.loader import LoadedModel, bundled_model_path, load_model
 from radixrt.model.runner import ModelRunner
+from radixrt.sampling.params import SamplingParams
+from radixrt.sampling.sampler import run_sampling
 
 _GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "default", "rope_theta": 1e6}}  # fmt: skip
@@ -89,6 +93,9 @@ def model_folder(config: str, scratch: Path) -> Path:
     backend = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
     transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(scratch)
     return scratch
+
+
+RUN_STEPS = 8  # the runtime's default decode_steps
 
 
 def paired_times(
@@ -159,34 +166,52 @@ def bench_decode(
         )
 
 
-def decode_setup(loaded: LoadedModel, batch_size: int, context: int) -> tuple[ModelRunner, ForwardBatch, torch.Tensor]:
-    """A runner whose pool holds `batch_size` random prompts of `context - 1` tokens, the decode
-    step of their last tokens, and the prompts."""
+def decode_setup(
+    loaded: LoadedModel, batch_size: int, context: int, extra_slots: int = 0
+) -> tuple[ModelRunner, ForwardBatch, torch.Tensor]:
+    """A runner whose pool holds `batch_size` random prompts of `context - 1` tokens (and
+    `extra_slots` free slots after each), the decode step of their last tokens, and the prompts."""
     generator = torch.Generator().manual_seed(batch_size)
     prompts = torch.randint(0, loaded.config.vocab_size, (batch_size, context), generator=generator)
-    runner = make_runner(loaded, batch_size * context)
-    slots = [torch.arange(i * context, (i + 1) * context) for i in range(batch_size)]
+    stride = context + extra_slots
+    runner = make_runner(loaded, batch_size * stride)
+    slots = [torch.arange(i * stride, i * stride + context) for i in range(batch_size)]
     runner.forward(ForwardBatch.build([p[:-1].tolist() for p in prompts], [0] * batch_size, [s[:-1] for s in slots]))
     step = ForwardBatch.build([[int(p[-1])] for p in prompts], [context - 1] * batch_size, slots)
     return runner, step, prompts
 
 
 def bench_floor(
-    loaded: LoadedModel, context: int, rounds: int, steps_per_round: int = 20
-) -> tuple[float, float]:
+    loaded: LoadedModel, context: int, rounds: int, steps_per_round: int = 24
+) -> tuple[float, float | None, float]:
     """(median seconds of a batch-1 decode step in a loop of back-to-back steps, as a decode loop
-    runs them; median bytes per second of a 1 GiB float32 sum). Rounds alternate one sum with
-    `steps_per_round` steps, so that step and bandwidth are measured in the same minutes: this
-    VM's bandwidth drifts by half between quarters of an hour."""
-    runner, step, _ = decode_setup(loaded, 1, context)
+    of single steps runs them; the same a step of a decode run of RUN_STEPS greedy steps, as the
+    runtime decodes a steady batch, None where runs do not apply; median bytes per second of a
+    1 GiB float32 sum). Rounds alternate one sum, `steps_per_round` single steps and as many
+    steps in runs, so that steps and bandwidth are measured in the same minutes: this VM's
+    bandwidth drifts by half between quarters of an hour."""
+    runner, step, prompts = decode_setup(loaded, 1, context, extra_slots=RUN_STEPS)
+    runs = runner.runs_decodes
+    sampling = run_sampling([SamplingParams(temperature=0)], [0], [0], [[]], RUN_STEPS)
+    slots = [torch.arange(context + RUN_STEPS)]
+
+    def run() -> None:
+        tokens, _ = runner.decode_run([int(prompts[0, -1])], [context - 1], slots, sampling, RUN_STEPS)
+        assert tokens.shape[0] == RUN_STEPS
+
     data = torch.ones(1 << 28)
-    steps, sums = [], []
+    steps, run_steps, sums = [], [], []
     with torch.inference_mode():
         runner.forward(step)
+        if runs:
+            run()
         for _ in range(rounds):
             sums.append(_timed(data.sum))
             steps.extend(_timed(lambda: runner.forward(step)) for _ in range(steps_per_round))
-    return statistics.median(steps), data.numel() * 4 / statistics.median(sums)
+            if runs:
+                run_steps.extend(_timed(run) / RUN_STEPS for _ in range(steps_per_round // RUN_STEPS))
+    run_step = statistics.median(run_steps) if runs else None
+    return statistics.median(steps), run_step, data.numel() * 4 / statistics.median(sums)
 
 
 def read_bandwidth(runs: int = 5) -> float:
@@ -286,7 +311,7 @@ def run(args: argparse.Namespace, folder: Path | None) -> None:
             for threads in (int(n) for n in args.threads.split(",")):
                 torch.set_num_threads(threads)
                 row = f"| {dtype} | {weights} | {threads} |"
-                step, loop_bandwidth = bench_floor(loaded, args.context, args.runs)
+                step, run_step, loop_bandwidth = bench_floor(loaded, args.context, args.runs)
                 loop_floor = weight_bytes / loop_bandwidth
                 print(
                     f"{row} batch-1 decode loop, {args.context}-token context: step / floor at the loop's "
@@ -294,6 +319,13 @@ def run(args: argparse.Namespace, folder: Path | None) -> None:
                     f"{step / loop_floor:.2f}x | | |",
                     flush=True,
                 )
+                if run_step is not None:
+                    print(
+                        f"{row} batch-1 decode run of {RUN_STEPS} steps (the runtime's steady decoding), same "
+                        f"minutes: step / floor (ms) | {run_step * 1e3:.2f} / {loop_floor * 1e3:.2f} = "
+                        f"{run_step / loop_floor:.2f}x | | |",
+                        flush=True,
+                    )
                 ours, theirs = bench_prefill(loaded, hf_model, args.prefill_len, args.runs, statistic)
                 print(
                     f"{row} prefill {args.prefill_len} tokens (tokens/s) | {args.prefill_len / ours:.0f} | "

@@ -58,9 +58,9 @@ class RuntimeConfig:
         steps in one call of radixrt's C kernels (deterministic native 4-bit
         steps; elsewhere one step a call): no scheduling, sampling in Python
         or bookkeeping between them. Outputs are the same bits as step by
-        step; streamed tokens arrive that many at a time, and a request that
-        arrives meanwhile waits for the run's end (docs/benchmarks.md has
-        the trade-off measured). 1 turns runs off.
+        step; streamed tokens arrive that many at a time. A request (or an
+        abort) posted meanwhile ends the run after its current step, so it
+        waits no longer than it would step by step. 1 turns runs off.
 
     Tuning (the defaults were measured on the CPU path; see docs/design.md):
     new_token_reserve_clip: a request's remaining max_new_tokens count at most

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,21 @@ def test_a_run_stops_after_the_step_that_drew_a_stop_token(model):
     got, _ = runner.decode_run(tokens, contexts, slots, run_sampling(params, seeds, [0, 0], [[], [stop]], steps),
                                steps)  # fmt: skip
     assert torch.equal(got, free_tokens[: first + 1])
+
+
+def test_an_interrupt_ends_a_run_after_its_current_step(model):
+    """The engine sets the flag when a caller posts something; a run seeing it stops, its step done."""
+    contexts, steps = [30], 6
+    slots, num_slots = sequences(contexts, 0, steps, seed=4)
+    params, seeds = [SamplingParams(temperature=0)], [0]
+    want, _ = step_by_step(deterministic_runner(model, num_slots), [9], contexts, slots, params, seeds, [[]], steps)
+    runner = deterministic_runner(model, num_slots)
+    sampling = run_sampling(params, seeds, [0], [[]], steps)
+    got, _ = runner.decode_run([9], contexts, slots, sampling, steps, ctypes.c_int32(1))
+    assert torch.equal(got, want[:1])
+    rest, _ = runner.decode_run([int(got[0, 0])], [contexts[0] + 1], slots,
+                                run_sampling(params, seeds, [1], [[]], steps - 1), steps - 1, ctypes.c_int32(0))
+    assert torch.equal(torch.cat([got, rest]), want)
 
 
 def test_a_run_continues_a_request_from_its_output_count(model):

@@ -16,6 +16,7 @@ thread), and each reports its outputs through its own `on_output`.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -40,6 +41,8 @@ class Engine:
         self.scheduler = Scheduler(cache, config)
         self.sampler = Sampler()
         self._runs_decodes = runner.runs_decodes
+        # Set from any thread by `interrupt_run`: a decode run stops after its current step.
+        self._interrupt = ctypes.c_int32(0)
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens the model actually ran, all requests together
         self.num_generated_tokens = 0
@@ -127,6 +130,12 @@ class Engine:
         if self.config.check_invariants:
             self.check_invariants()
 
+    def interrupt_run(self, interrupt: bool = True) -> None:
+        """Ask a decode run in progress (or the next one) to stop after its current step, so that
+        what a caller posted (a new request, an abort) waits one step rather than a whole run;
+        False withdraws the request once the caller's actions are taken. Safe from any thread."""
+        self._interrupt.value = int(interrupt)
+
     def _decode_run(self, batch: ScheduledBatch, num_steps: int) -> None:
         """Up to `num_steps` decode steps of a steady batch in one call (`ModelRunner.decode_run`):
         the tokens, log-probabilities and K/V of as many `step`s, without the engine between them."""
@@ -137,7 +146,7 @@ class Engine:
         )  # fmt: skip
         tokens, logprobs = self.runner.decode_run(
             [r.fill_slice(r.num_computed, r.num_computed + 1)[0] for r in reqs], [r.num_computed for r in reqs],
-            [r.slots[: r.num_computed + num_steps] for r in reqs], sampling, num_steps,
+            [r.slots[: r.num_computed + num_steps] for r in reqs], sampling, num_steps, self._interrupt,
         )  # fmt: skip
         self.num_steps += tokens.shape[0]
         self.num_computed_tokens += tokens.numel()

@@ -17,6 +17,7 @@ same arithmetic, the threads forked once a step instead of once an op.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,7 +130,7 @@ class Int4DecodeStack:
     def decode_run(
         self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
         scale: float, final_norm: torch.Tensor, head: cpu.PackedWeight, rows: cpu.RunRows,
-        sampling: cpu.RunSampling, num_steps: int,
+        sampling: cpu.RunSampling, num_steps: int, interrupt: ctypes.c_int32 | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to `num_steps` decode steps of `rows` in one call, each sampling the next tokens
         (`cpu.DecodeRun`): (tokens, log-probabilities), [steps run, rows] each."""
@@ -138,7 +139,7 @@ class Int4DecodeStack:
         first = self._layers[0]
         return self._run_kernel(
             embedding, self._weights, k_pools, v_pools, kv_cache.k[0].shape[0], first.eps, first.heads,
-            self._intermediate, scale, rope_tables, final_norm, head, rows, sampling, num_steps,
+            self._intermediate, scale, rope_tables, final_norm, head, rows, sampling, num_steps, interrupt,
         )  # fmt: skip
 
     def _run(

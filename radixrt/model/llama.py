@@ -30,6 +30,7 @@ C attention reading the pool; attention cut at whole chunks either way.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -487,10 +488,12 @@ class LlamaForCausalLM(nn.Module):
     def decode_run(
         self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[torch.Tensor],
         sampling: cpu.RunSampling, num_steps: int, backend: AttentionBackend[Any],
+        interrupt: ctypes.c_int32 | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to `num_steps` deterministic decode steps in one call (check `runs_decodes` first):
         sequence i's last token `tokens[i]` at `positions[i]`, its slots `slots[i]` for positions
-        0 .. positions[i] + num_steps - 1, sampled by `sampling` (`cpu.RunSampling`). Returns
+        0 .. positions[i] + num_steps - 1, sampled by `sampling` (`cpu.RunSampling`), stopping
+        early after a step that drew a stop token or saw `interrupt` set. Returns
         (tokens, log-probabilities), [steps run, sequences] each: what as many `logits` steps
         and `Sampler.sample` give, bit for bit."""
         assert self._stack is not None and isinstance(self._invariant_lm_head, linear.PackedLMHead)
@@ -513,7 +516,8 @@ class LlamaForCausalLM(nn.Module):
                            index[3 * count : 4 * count], index[4 * count :], chunk)
         tables = self.rope.tables(max(positions) + num_steps, self.dtype)
         return self._stack.decode_run(self.embed_tokens, tables, backend.kv_cache, backend.softmax_scale(attention),
-                                      self.norm, self._invariant_lm_head.packed, rows, sampling, num_steps)
+                                      self.norm, self._invariant_lm_head.packed, rows, sampling, num_steps,
+                                      interrupt)
 
     def _rope_tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.tables(max(batch.seq_lens), self.dtype)

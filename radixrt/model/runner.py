@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -100,13 +101,14 @@ class ModelRunner:
 
     def decode_run(
         self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[torch.Tensor],
-        sampling: cpu.RunSampling, num_steps: int,
+        sampling: cpu.RunSampling, num_steps: int, interrupt: ctypes.c_int32 | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to `num_steps` decode steps in one call, each sampling the next tokens (check
         `runs_decodes` first): see `LlamaForCausalLM.decode_run`. Each step writes K/V at the
-        sequences' next slots, as `forward` does at `batch.out_slots`."""
+        sequences' next slots, as `forward` does at `batch.out_slots`; a nonzero `interrupt`
+        ends the run after the step that sees it."""
         with torch.inference_mode(), cpu.kernel_threads(None if self.threads is None else self.threads.large):
-            return self.model.decode_run(tokens, positions, slots, sampling, num_steps, self.backend)
+            return self.model.decode_run(tokens, positions, slots, sampling, num_steps, self.backend, interrupt)
 
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [len(logit_rows), vocab_size] for rows of the batch's new tokens.

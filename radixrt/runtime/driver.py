@@ -177,6 +177,7 @@ class EngineDriver:
     def shutdown(self) -> None:
         with self._cv:
             self._closed = self._shut_down = True
+            self.engine.interrupt_run()
             self._cv.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
@@ -188,6 +189,7 @@ class EngineDriver:
             if self._engine_error is not None:
                 raise RuntimeError("the engine stopped after an internal error") from self._engine_error
             self._actions.append((action, payload))
+            self.engine.interrupt_run()  # a decode run in progress ends at its next step
             self._cv.notify()
 
     def _loop(self) -> None:
@@ -219,6 +221,7 @@ class EngineDriver:
                 if self._closed:
                     return
                 actions, self._actions = self._actions, []
+                self.engine.interrupt_run(False)  # taken: the next run may run its length
             for action, payload in actions:
                 self._apply(action, payload)
             if self.engine.has_work:

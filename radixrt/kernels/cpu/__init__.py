@@ -523,8 +523,8 @@ class DecodeRun:
             i64, pointer, pointer, pointer,  # rows, first tokens, first positions, slots
             pointer, pointer, pointer, i64,  # slot starts, owner, shared chunks, chunk
             pointer, pointer, pointer, pointer, pointer,  # temperatures, top_k, top_p, min_p, uniforms
-            pointer, pointer, i32, pointer, pointer,  # stop ptr, stop ids, steps, tokens, logprobs
-            i32,  # threads
+            pointer, pointer, pointer, i32, pointer,  # stop ptr, stop ids, interrupt, steps, tokens
+            pointer, i32,  # logprobs, threads
         ]
         self._fn.restype = i32
 
@@ -532,11 +532,12 @@ class DecodeRun:
         self, embedding: torch.Tensor, layer_weights: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor,
         num_slots: int, eps: float, heads: tuple[int, int, int], intermediate: int, scale: float,
         rope_tables: tuple[torch.Tensor, torch.Tensor], final_norm: torch.Tensor, head: PackedWeight,
-        rows: RunRows, sampling: RunSampling, num_steps: int,
+        rows: RunRows, sampling: RunSampling, num_steps: int, interrupt: ctypes.c_int32 | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [n, B] int64, log-probabilities [n, B] float32 at temperature 1) of the n <=
-        `num_steps` steps run: n stops at the first step where a row drew a stop token. The
-        model as `DecodeStack` takes it; each step's K/V go to the rows' next slots. Raises
+        `num_steps` steps run: n stops at the first step where a row drew a stop token, or
+        where `interrupt` (set from any thread) was nonzero. The model as `DecodeStack` takes
+        it; each step's K/V go to the rows' next slots. Raises
         IndexError, computing nothing, for a slot outside the pools, a token id outside the
         embedding or a position outside the tables."""
         num_q_heads, num_kv_heads, head_dim = heads
@@ -553,7 +554,8 @@ class DecodeRun:
             rows.slot_starts.data_ptr(), rows.owner.data_ptr(), rows.shared_chunks.data_ptr(), rows.chunk,
             sampling.temperatures.data_ptr(), sampling.top_k.data_ptr(), sampling.top_p.data_ptr(),
             sampling.min_p.data_ptr(), sampling.uniforms.data_ptr(), sampling.stop_ptr.data_ptr(),
-            sampling.stop_ids.data_ptr(), num_steps, tokens.data_ptr(), logprobs.data_ptr(), _threads(),
+            sampling.stop_ids.data_ptr(), None if interrupt is None else ctypes.addressof(interrupt), num_steps,
+            tokens.data_ptr(), logprobs.data_ptr(), _threads(),
         )  # fmt: skip
         if done == -3:
             raise IndexError(f"a K/V slot is outside the pool of {num_slots} slots")

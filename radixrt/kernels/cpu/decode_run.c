@@ -94,8 +94,9 @@ static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positio
  * owner[r]'s slots (a prefix they share, `chunk` keys a chunk). Sampling: temperatures[r] 0 is
  * greedy (the first argmax), else a draw at uniforms[s * rows + r] after top_k[r], top_p[r],
  * min_p[r] (radixrt_sample_rows); row r stops the run at a token among stop_ids[stop_ptr[r] ..
- * stop_ptr[r + 1]). tokens, logprobs: [num_steps, rows], step s's token of row r and its
- * log-probability at temperature 1.
+ * stop_ptr[r + 1]), and any step stops it while *interrupt (when not NULL) is nonzero: the caller
+ * has something to do between steps (a new request). tokens, logprobs: [num_steps, rows], step
+ * s's token of row r and its log-probability at temperature 1.
  * Returns the steps run (1 .. num_steps: after the first stop token), or before computing
  * anything -1 for a shape the kernels do not take, -2 without memory, -3 for a slot outside the
  * pools, -4 for a token id outside the embedding, -5 for a position outside the tables.
@@ -108,8 +109,8 @@ int radixrt_int4_decode_run_bf16(
     int64_t rows, const int64_t *first_tokens, const int64_t *first_positions, const int64_t *slots,
     const int64_t *slot_starts, const int64_t *owner, const int64_t *shared_chunks, int64_t chunk,
     const float *temperatures, const int64_t *top_k, const float *top_p, const float *min_p, const double *uniforms,
-    const int64_t *stop_ptr, const int64_t *stop_ids, int num_steps, int64_t *tokens, float *logprobs,
-    int num_threads
+    const int64_t *stop_ptr, const int64_t *stop_ids, const atomic_int *interrupt, int num_steps, int64_t *tokens,
+    float *logprobs, int num_threads
 ) {
     const StackModel model = {
         embedding, vocab, dim, num_layers, layer_weights, k_pools, v_pools, num_slots, eps, scale, num_q_heads,
@@ -193,6 +194,9 @@ int radixrt_int4_decode_run_bf16(
                     for (int64_t j = stop_ptr[r]; j < stop_ptr[r + 1]; j++)
                         if (stop_ids[j] == token) atomic_store(&stopped, 1);
                 }
+                /* one thread reads the caller's flag, so that every thread stops after the same step */
+                if (team.thread == 0 && interrupt != NULL && atomic_load_explicit(interrupt, memory_order_relaxed))
+                    atomic_store(&stopped, 1);
                 team_barrier(&team);
                 if (team.thread == 0) done = s + 1;
                 if (atomic_load(&stopped)) break;
