@@ -137,6 +137,8 @@ def _add_serve_parser(commands: Any) -> argparse.ArgumentParser:
     serve.add_argument("--chunked-prefill-size", type=_int_at_least(1),
                        help="the most prompt tokens of one request per step")
     serve.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES)
+    serve.add_argument("--decode-steps", type=_int_at_least(1),
+                       help="decode steps run in one kernel call when every request is decoding (default 8; 1: off)")
     scale = serve.add_argument_group("replicas (on Ray Serve: pip install 'radixrt[ray]')")
     scale.add_argument("--replicas", type=_int_at_least(1), default=1,
                        help="runtimes behind one cache-aware router (default 1: no Ray)")
@@ -272,7 +274,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.cache_isolation == "per-key" and not keys:
         parser.error("--cache-isolation per-key needs --api-key or --api-key-file")
     options = _runtime_options(args)
-    for name in ("max_running_requests", "chunked_prefill_size", "schedule_policy"):
+    for name in ("max_running_requests", "chunked_prefill_size", "schedule_policy", "decode_steps"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     settings = ServerSettings(

@@ -68,6 +68,7 @@ sys.exit(code)
         (["demo", "--device", "gpu"], "--device: must be auto, cpu, cuda or cuda:N"),
         (["demo", "--dtype", "half"], "--dtype: invalid choice"),
         (["serve", "--max-queued-requests", "-1"], "--max-queued-requests: must be an int >= 0"),
+        (["serve", "--decode-steps", "0"], "--decode-steps: must be an int >= 1"),
     ],
 )
 def test_bad_values_fail_before_anything_loads(args: list[str], message: str) -> None:
