@@ -192,7 +192,8 @@ def bench_floor(
     bandwidth drifts by half between quarters of an hour."""
     runner, step, prompts = decode_setup(loaded, 1, context, extra_slots=RUN_STEPS)
     runs = runner.runs_decodes
-    sampling = run_sampling([SamplingParams(temperature=0)], [0], [0], [[]], RUN_STEPS)
+    sampling = run_sampling([SamplingParams(temperature=0)], [0], [[]], [[]], [[]], RUN_STEPS,
+                            loaded.config.vocab_size)
     slots = [torch.arange(context + RUN_STEPS)]
 
     def run() -> None:

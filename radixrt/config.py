@@ -53,8 +53,7 @@ class RuntimeConfig:
         serve it (it costs nothing measurable there) and False elsewhere.
     check_invariants: check tree, pool and request bookkeeping after every step (tests).
     decode_steps: when every running request is decoding, none is waiting and
-        each samples with temperature, top-k, top-p or min-p only (no
-        penalties, no top log-probabilities), run up to this many decode
+        none asks for top log-probabilities, run up to this many decode
         steps in one call of radixrt's C kernels (deterministic native 4-bit
         steps; elsewhere one step a call): no scheduling, sampling in Python
         or bookkeeping between them. Outputs are the same bits as step by

@@ -53,14 +53,20 @@ def sequences(contexts: list[int], shared: int, steps: int, seed: int) -> tuple[
     return slots, total + 7
 
 
-def step_by_step(runner: ModelRunner, tokens, positions, slots, params, seeds, stops, steps):
-    """The reference: one `forward` and one `Sampler.sample` a step, stopping as a run does."""
-    sampler, outputs, logprobs = Sampler(), [[] for _ in tokens], [[] for _ in tokens]
+def step_by_step(runner: ModelRunner, tokens, positions, slots, params, seeds, stops, steps, prompts=None,
+                 earlier=None):
+    """The reference: one `forward` and one `Sampler.sample` a step, stopping as a run does
+    (`prompts`, `earlier`: the prompts and earlier outputs the penalties count and, for the
+    outputs, the draws follow). Returns the new tokens and log-probabilities, [steps, rows]."""
+    sampler, logprobs = Sampler(), [[] for _ in tokens]
+    outputs = [list(e) for e in earlier] if earlier else [[] for _ in tokens]
+    done = [len(o) for o in outputs]
+    prompts = prompts or [[] for _ in tokens]
     tokens, positions = list(tokens), list(positions)
     for _ in range(steps):
         batch = ForwardBatch.build([[t] for t in tokens], positions, [s[: p + 1] for s, p in zip(slots, positions)])
         logits = runner.forward(batch)
-        out = sampler.sample(logits, params, seeds, [[] for _ in tokens], outputs)
+        out = sampler.sample(logits, params, seeds, prompts, outputs)
         tokens = out.token_ids.tolist()
         for i, (token, logprob) in enumerate(zip(tokens, out.logprobs.tolist())):
             outputs[i].append(token)
@@ -68,7 +74,7 @@ def step_by_step(runner: ModelRunner, tokens, positions, slots, params, seeds, s
         positions = [p + 1 for p in positions]
         if any(t in stop for t, stop in zip(tokens, stops)):
             break
-    return torch.tensor(outputs).T, torch.tensor(logprobs).T
+    return torch.tensor([o[n:] for o, n in zip(outputs, done)]).T, torch.tensor(logprobs).T
 
 
 MIXED = [
@@ -76,27 +82,43 @@ MIXED = [
     SamplingParams(temperature=0.8, top_p=0.9, seed=5),
     SamplingParams(temperature=1.3, top_k=5, seed=6),
     SamplingParams(temperature=0.7, min_p=0.1, seed=7),
+    SamplingParams(temperature=0, repetition_penalty=1.4),
+    SamplingParams(temperature=0.9, frequency_penalty=0.1, presence_penalty=0.35, seed=8),
+    SamplingParams(temperature=0, frequency_penalty=-0.7, presence_penalty=0.15),
 ]
 
 
+def histories(count: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """A prompt and earlier outputs per sequence for the penalties to count (the pool holds random
+    K/V anyway); the outputs repeat tokens, up to 7 times, so that frequency x count rounds."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (20,), generator=generator).tolist() for _ in range(count)]
+    earlier = [torch.randint(0, 6, (24,), generator=generator).tolist() for _ in range(count)]
+    return prompts, earlier
+
+
 @pytest.mark.parametrize(
-    "contexts, shared",
-    [([37], 0), ([300, 5, 1, 700], 0), ([600, 300, 290, 500], 280), ([256, 511, 512, 513], 256)],
+    "contexts, shared, first",
+    [([37], 0, 0), ([300, 5, 1, 700], 0, 0), ([600, 300, 290, 500], 280, 2), ([256, 511, 512, 513], 256, 4),
+     ([90, 91, 92, 93, 94, 95], 64, 0)],
 )
-def test_a_run_gives_the_tokens_and_logprobs_of_single_steps(model, contexts, shared):
-    """Contexts crossing the 256-key chunks during the run, shared prefixes of whole chunks, greedy
-    and every filter: tokens and log-probabilities equal bit for bit, and the same K/V written."""
+def test_a_run_gives_the_tokens_and_logprobs_of_single_steps(model, contexts, shared, first):
+    """Contexts crossing the 256-key chunks during the run, shared prefixes of whole chunks, greedy,
+    every filter and every penalty: tokens and log-probabilities equal bit for bit, and the same
+    K/V written."""
     steps = 6
     slots, num_slots = sequences(contexts, shared, steps, seed=len(contexts))
-    params = [MIXED[i % len(MIXED)] for i in range(len(contexts))]
+    params = [MIXED[(first + i) % len(MIXED)] for i in range(len(contexts))]
     seeds = [11 * i + 1 for i in range(len(contexts))]
     tokens = [(7 * i + 3) % VOCAB for i in range(len(contexts))]
     stops = [[] for _ in contexts]
+    prompts, earlier = histories(len(contexts), seed=first)
     reference = deterministic_runner(model, num_slots)
-    want_tokens, want_logprobs = step_by_step(reference, tokens, contexts, slots, params, seeds, stops, steps)
+    want_tokens, want_logprobs = step_by_step(reference, tokens, contexts, slots, params, seeds, stops, steps, prompts,
+                                              earlier)  # fmt: skip
 
     runner = deterministic_runner(model, num_slots)
-    sampling = run_sampling(params, seeds, [0] * len(contexts), stops, steps)
+    sampling = run_sampling(params, seeds, prompts, earlier, stops, steps, VOCAB)
     got_tokens, got_logprobs = runner.decode_run(tokens, contexts, slots, sampling, steps)
     assert torch.equal(got_tokens, want_tokens)
     assert torch.equal(got_logprobs, want_logprobs)
@@ -114,7 +136,8 @@ def test_a_run_stops_after_the_step_that_drew_a_stop_token(model):
     stop = int(free_tokens[3, 1])  # row 1's fourth token (unless an earlier one is the same)
     first = next(s for s in range(steps) if int(free_tokens[s, 1]) == stop)
     runner = deterministic_runner(model, num_slots)
-    got, _ = runner.decode_run(tokens, contexts, slots, run_sampling(params, seeds, [0, 0], [[], [stop]], steps),
+    got, _ = runner.decode_run(tokens, contexts, slots, run_sampling(params, seeds, [[], []], [[], []], [[], [stop]], steps,
+                                                                                VOCAB),
                                steps)  # fmt: skip
     assert torch.equal(got, free_tokens[: first + 1])
 
@@ -126,11 +149,12 @@ def test_an_interrupt_ends_a_run_after_its_current_step(model):
     params, seeds = [SamplingParams(temperature=0)], [0]
     want, _ = step_by_step(deterministic_runner(model, num_slots), [9], contexts, slots, params, seeds, [[]], steps)
     runner = deterministic_runner(model, num_slots)
-    sampling = run_sampling(params, seeds, [0], [[]], steps)
+    sampling = run_sampling(params, seeds, [[]], [[]], [[]], steps, VOCAB)
     got, _ = runner.decode_run([9], contexts, slots, sampling, steps, ctypes.c_int32(1))
     assert torch.equal(got, want[:1])
     rest, _ = runner.decode_run([int(got[0, 0])], [contexts[0] + 1], slots,
-                                run_sampling(params, seeds, [1], [[]], steps - 1), steps - 1, ctypes.c_int32(0))
+                                run_sampling(params, seeds, [[]], [[int(got[0, 0])]], [[]], steps - 1, VOCAB), steps - 1,
+                                ctypes.c_int32(0))  # fmt: skip
     assert torch.equal(torch.cat([got, rest]), want)
 
 
@@ -139,19 +163,19 @@ def test_a_run_continues_a_request_from_its_output_count(model):
     steps 3.. of a longer run do."""
     contexts, steps = [64], 5
     slots, num_slots = sequences(contexts, 0, steps, seed=2)
-    params, seeds = [SamplingParams(temperature=1.0, seed=9)], [9]
+    params, seeds = [SamplingParams(temperature=1.0, seed=9, frequency_penalty=0.4)], [9]
     want, _ = step_by_step(deterministic_runner(model, num_slots), [4], contexts, slots, params, seeds, [[]], steps)
     runner = deterministic_runner(model, num_slots)
-    first, _ = runner.decode_run([4], contexts, slots, run_sampling(params, seeds, [0], [[]], 3), 3)
+    first, _ = runner.decode_run([4], contexts, slots, run_sampling(params, seeds, [[]], [[]], [[]], 3, VOCAB), 3)
     rest, _ = runner.decode_run([int(first[-1, 0])], [contexts[0] + 3], slots,
-                                run_sampling(params, seeds, [3], [[]], 2), 2)  # fmt: skip
+                                run_sampling(params, seeds, [[]], [first[:, 0].tolist()], [[]], 2, VOCAB), 2)
     assert torch.equal(torch.cat([first, rest]), want)
 
 
 def test_a_run_refuses_slots_positions_and_tokens_outside_its_tables(model):
     slots, num_slots = sequences([10], 0, 4, seed=3)
     runner = deterministic_runner(model, num_slots)
-    sampling = run_sampling([SamplingParams(temperature=0)], [0], [0], [[]], 4)
+    sampling = run_sampling([SamplingParams(temperature=0)], [0], [[]], [[]], [[]], 4, VOCAB)
     before = [pool.clone() for pool in runner.kv_cache.k]
     with pytest.raises(IndexError, match="slot"):
         runner.decode_run([1], [10], [torch.cat([slots[0][:-1], torch.tensor([num_slots])])], sampling, 4)
@@ -193,6 +217,9 @@ REQUESTS = [
     ("a story about", {"temperature": 0, "max_new_tokens": 40, "stop": [" the", "ing"]}),
     ("once upon a time", {"temperature": 0.7, "seed": 5, "max_new_tokens": 33, "stop_token_ids": [100, 200, 300],
                           "return_logprob": True}),
+    ("once upon a time", {"temperature": 0, "max_new_tokens": 30, "repetition_penalty": 1.5, "ignore_eos": True}),
+    ("the quick brown fox", {"temperature": 0.8, "seed": 6, "max_new_tokens": 30, "frequency_penalty": 0.7,
+                             "presence_penalty": 0.5, "return_logprob": True}),
 ]
 
 
@@ -242,7 +269,7 @@ def test_streams_carry_the_same_text_a_run_at_a_time(loaded, monkeypatch):
     assert sum(map(len, got)) < sum(map(len, want)), "the tokens of a run arrive together"
 
 
-def test_penalties_and_top_logprobs_decode_step_by_step(loaded, monkeypatch):
+def test_top_logprobs_decode_step_by_step(loaded, monkeypatch):
     spy = RunSpy(monkeypatch)
     serve(loaded, [("the quick", {"temperature": 0, "max_new_tokens": 12, "repetition_penalty": 1.3}),
                    ("the quick", {"temperature": 0, "max_new_tokens": 12, "top_logprobs_num": 2,

@@ -43,6 +43,7 @@ class Engine:
         self.sampler = Sampler()
         self._runs_decodes = runner.runs_decodes
         self._kernel_threads = None if runner.threads is None else runner.threads.large
+        self._vocab_size = runner.model.config.vocab_size
         # Set from any thread by `interrupt_run`: a decode run stops after its current step.
         self._interrupt = ctypes.c_int32(0)
         self.num_steps = 0
@@ -146,8 +147,8 @@ class Engine:
         the tokens, log-probabilities and K/V of as many `step`s, without the engine between them."""
         reqs = [req for req, _ in batch.items]
         sampling = run_sampling(
-            [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
-            [stop_token_ids(r.params, r.eos_token_ids) for r in reqs], num_steps,
+            [r.params for r in reqs], [r.seed for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
+            [stop_token_ids(r.params, r.eos_token_ids) for r in reqs], num_steps, self._vocab_size,
         )  # fmt: skip
         tokens, logprobs = self.runner.decode_run(
             [r.fill_slice(r.num_computed, r.num_computed + 1)[0] for r in reqs], [r.num_computed for r in reqs],

@@ -18,6 +18,7 @@ row alone. So a seeded request draws the same tokens alone or in a batch of
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -116,21 +117,28 @@ class Sampler:
 
 def runs_with(params: SamplingParams) -> bool:
     """Whether a decode run (`cpu.DecodeRun`) samples with these settings exactly as `Sampler.sample`
-    does: its C passes cover temperature, top-k, top-p and min-p, not penalties or top log-probs."""
-    return (params.repetition_penalty == 1 and params.frequency_penalty == 0 and params.presence_penalty == 0
-            and not params.top_logprobs_num)
+    does: its C passes cover temperature, top-k, top-p, min-p and the penalties, not top log-probs."""
+    return not params.top_logprobs_num
 
 
 def run_sampling(
-    params: Sequence[SamplingParams], seeds: Sequence[int], num_outputs: Sequence[int],
-    stop_ids: Sequence[Sequence[int]], num_steps: int,
+    params: Sequence[SamplingParams], seeds: Sequence[int], prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]], stop_ids: Sequence[Sequence[int]], num_steps: int, vocab_size: int,
 ) -> cpu.RunSampling:
     """How a decode run samples each row (`runs_with` must hold): row i with `params[i]`, its
-    step s the request's output token `num_outputs[i] + s` (the draw `Sampler.sample` would
-    make), stopping the run at any of `stop_ids[i]`."""
+    step s the request's output token `len(output_ids[i]) + s` (the draw `Sampler.sample` would
+    make), penalties counted from its prompt and output so far, stopping the run at any of
+    `stop_ids[i]`."""
     temperatures = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32)
-    uniforms = torch.tensor([[uniform_for(seed, count + step) for seed, count in zip(seeds, num_outputs)]
+    uniforms = torch.tensor([[uniform_for(seed, len(output) + step) for seed, output in zip(seeds, output_ids)]
                              for step in range(num_steps)], dtype=torch.float64)  # fmt: skip
+    penalties = None
+    if any(p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
+        factors = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+                               dtype=torch.float32).T.contiguous()  # fmt: skip
+        penalties = cpu.RunPenalties(factors[0], factors[1], factors[2],
+                                     _dense_token_counts(list(zip(prompt_ids, output_ids)), vocab_size),
+                                     _dense_token_counts([(output,) for output in output_ids], vocab_size))
     stop_ptr = [0]
     for ids in stop_ids:
         stop_ptr.append(stop_ptr[-1] + len(ids))
@@ -139,7 +147,29 @@ def run_sampling(
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
         torch.tensor([p.min_p for p in params], dtype=torch.float32), uniforms,
         torch.tensor(stop_ptr, dtype=torch.int64), torch.tensor([i for ids in stop_ids for i in ids], dtype=torch.int64),
+        penalties,
     )
+
+
+def _dense_token_counts(histories: Sequence[Sequence[Sequence[int]]], vocab_size: int) -> torch.Tensor:
+    """How often each token is in each history (one or more token lists): [N, vocab_size] int32."""
+    counts = torch.zeros(len(histories), vocab_size, dtype=torch.int32)
+    for row, lists in zip(counts, histories):
+        for tokens in lists:
+            if not len(tokens):
+                continue
+            ids = _as_tensor(tokens)
+            if not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+                raise ValueError(f"token ids in prompt_ids and output_ids must be in [0, {vocab_size})")
+            row.index_add_(0, ids, torch.ones(1, dtype=torch.int32).expand(ids.numel()))
+    return counts
+
+
+def _as_tensor(tokens: Sequence[int]) -> torch.Tensor:
+    """int64 token ids; a request's own `array('q')` is read in place, not element by element."""
+    if isinstance(tokens, array) and tokens.typecode == "q":
+        return torch.frombuffer(tokens, dtype=torch.int64)
+    return torch.tensor(list(tokens), dtype=torch.int64)
 
 
 def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,6 +224,8 @@ def apply_penalties(
     presence (OpenAI): subtract `frequency * count + presence * (count > 0)`,
     counting output tokens only. Only the logits of tokens in the history are
     touched, so the cost grows with the history, not with batch x vocabulary.
+    Each operation is one IEEE float32 rounding, in this order: decode runs
+    (`cpu.RunPenalties`) compute the same bits in C.
     """
     repetition = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
     additive = [i for i, p in enumerate(params) if p.frequency_penalty != 0 or p.presence_penalty != 0]

@@ -494,10 +494,23 @@ class RunRows(NamedTuple):
     chunk: int
 
 
+class RunPenalties(NamedTuple):
+    """A decode run's penalties (the sampler's `apply_penalties`, in C): per row its three factors,
+    and how often each token is in its prompt and output (`seen`) and in its output
+    (`output_counts`), [B, vocab] int32 each, which the run counts on as it draws tokens."""
+
+    repetition: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    presence: torch.Tensor  # [B] float32
+    seen: torch.Tensor
+    output_counts: torch.Tensor
+
+
 class RunSampling(NamedTuple):
     """How each row of a decode run picks its tokens: temperature 0 greedy (the first argmax), else
-    a draw at `uniforms[s, r]` ([steps, B] float64) after its filters, as `RowSampler`; the run stops
-    after a step where row r drew one of `stop_ids[stop_ptr[r]:stop_ptr[r + 1]]`."""
+    a draw at `uniforms[s, r]` ([steps, B] float64) after its filters, as `RowSampler`, each after
+    the row's penalties when there are any; the run stops after a step where row r drew one of
+    `stop_ids[stop_ptr[r]:stop_ptr[r + 1]]`."""
 
     temperatures: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64
@@ -506,6 +519,7 @@ class RunSampling(NamedTuple):
     uniforms: torch.Tensor  # [steps, B] float64
     stop_ptr: torch.Tensor  # [B + 1] int64
     stop_ids: torch.Tensor  # int64
+    penalties: RunPenalties | None = None
 
 
 class DecodeRun:
@@ -523,6 +537,7 @@ class DecodeRun:
             i64, pointer, pointer, pointer,  # rows, first tokens, first positions, slots
             pointer, pointer, pointer, i64,  # slot starts, owner, shared chunks, chunk
             pointer, pointer, pointer, pointer, pointer,  # temperatures, top_k, top_p, min_p, uniforms
+            pointer, pointer, pointer, pointer, pointer,  # repetition, frequency, presence, seen, output counts
             pointer, pointer, pointer, i32, pointer,  # stop ptr, stop ids, interrupt, steps, tokens
             pointer, i32,  # logprobs, threads
         ]
@@ -553,7 +568,8 @@ class DecodeRun:
             batch, rows.first_tokens.data_ptr(), rows.first_positions.data_ptr(), rows.slots.data_ptr(),
             rows.slot_starts.data_ptr(), rows.owner.data_ptr(), rows.shared_chunks.data_ptr(), rows.chunk,
             sampling.temperatures.data_ptr(), sampling.top_k.data_ptr(), sampling.top_p.data_ptr(),
-            sampling.min_p.data_ptr(), sampling.uniforms.data_ptr(), sampling.stop_ptr.data_ptr(),
+            sampling.min_p.data_ptr(), sampling.uniforms.data_ptr(), *_penalty_pointers(sampling.penalties),
+            sampling.stop_ptr.data_ptr(),
             sampling.stop_ids.data_ptr(), None if interrupt is None else ctypes.addressof(interrupt), num_steps,
             tokens.data_ptr(), logprobs.data_ptr(), _threads(),
         )  # fmt: skip
@@ -568,6 +584,12 @@ class DecodeRun:
         if done < 0:
             raise MemoryError("decode run kernel could not allocate its buffers")
         return tokens[:done], logprobs[:done]
+
+
+def _penalty_pointers(penalties: RunPenalties | None) -> list[int | None]:
+    if penalties is None:
+        return [None] * 5
+    return [tensor.data_ptr() for tensor in penalties]
 
 
 class RowStats:

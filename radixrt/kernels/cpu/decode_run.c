@@ -93,7 +93,10 @@ static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positio
  * 0 .. first_positions[r] + num_steps - 1, its whole chunks k < shared_chunks[r] read from row
  * owner[r]'s slots (a prefix they share, `chunk` keys a chunk). Sampling: temperatures[r] 0 is
  * greedy (the first argmax), else a draw at uniforms[s * rows + r] after top_k[r], top_p[r],
- * min_p[r] (radixrt_sample_rows); row r stops the run at a token among stop_ids[stop_ptr[r] ..
+ * min_p[r] (radixrt_sample_rows), after its penalties when `seen` is not NULL (repetition[r],
+ * frequency[r], presence[r], radixrt_penalize_row; seen and output_counts [rows, head_rows]: how
+ * often each token is in the row's prompt and output, and in its output, counted on as the run
+ * draws tokens); row r stops the run at a token among stop_ids[stop_ptr[r] ..
  * stop_ptr[r + 1]), and any step stops it while *interrupt (when not NULL) is nonzero: the caller
  * has something to do between steps (a new request). tokens, logprobs: [num_steps, rows], step
  * s's token of row r and its log-probability at temperature 1.
@@ -109,6 +112,7 @@ int radixrt_int4_decode_run_bf16(
     int64_t rows, const int64_t *first_tokens, const int64_t *first_positions, const int64_t *slots,
     const int64_t *slot_starts, const int64_t *owner, const int64_t *shared_chunks, int64_t chunk,
     const float *temperatures, const int64_t *top_k, const float *top_p, const float *min_p, const double *uniforms,
+    const float *repetition, const float *frequency, const float *presence, int32_t *seen, int32_t *output_counts,
     const int64_t *stop_ptr, const int64_t *stop_ids, const atomic_int *interrupt, int num_steps, int64_t *tokens,
     float *logprobs, int num_threads
 ) {
@@ -181,7 +185,12 @@ int radixrt_int4_decode_run_bf16(
                 int64_t first, last;
                 team_share(&team, rows, &first, &last);
                 for (int64_t r = first; r < last; r++) {
-                    const float *x = logits + r * head_rows;
+                    float *x = logits + r * head_rows;
+                    int32_t *row_seen = seen == NULL ? NULL : seen + r * head_rows;
+                    int32_t *row_counts = output_counts == NULL ? NULL : output_counts + r * head_rows;
+                    if (row_seen != NULL)
+                        radixrt_penalize_row(x, head_rows, row_seen, row_counts, repetition[r], frequency[r],
+                                             presence[r]);
                     int64_t token;
                     float maximum, lse;
                     radixrt_row_stats_row(x, head_rows, &token, &maximum, &lse);
@@ -191,6 +200,10 @@ int radixrt_int4_decode_run_bf16(
                     tokens[s * rows + r] = token;
                     logprobs[s * rows + r] = x[token] - lse;
                     step_tokens[r] = token;
+                    if (row_seen != NULL) {
+                        row_seen[token]++;
+                        row_counts[token]++;
+                    }
                     for (int64_t j = stop_ptr[r]; j < stop_ptr[r + 1]; j++)
                         if (stop_ids[j] == token) atomic_store(&stopped, 1);
                 }

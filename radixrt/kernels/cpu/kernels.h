@@ -99,6 +99,9 @@ void radixrt_row_stats_row(const float *x, int64_t cols, int64_t *argmax, float 
  * (read only with top_p < 1); block_scratch: a float per block of SAMPLE_BLOCK tokens.
  */
 #define SAMPLE_BLOCK 64
+/* sample_rows.c: one row's repetition, frequency and presence penalties, in place */
+void radixrt_penalize_row(float *x, int64_t cols, const int32_t *seen, const int32_t *output_counts, float repetition,
+                          float frequency, float presence);
 int64_t radixrt_sample_row(const float *x, int64_t cols, float maximum, float temperature, int64_t top_k,
                            float top_p, float min_p, double uniform, float *weights, float *block_scratch);
 

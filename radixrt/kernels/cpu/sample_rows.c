@@ -202,6 +202,35 @@ static int64_t sample_row(const float *x, const float *weights, int64_t cols, fl
     return last_positive >= 0 ? last_positive : cols - 1;  /* no finite logit: no meaningful token */
 }
 
+/*
+ * One row's penalties, in place, as the sampler's torch ops apply them (`apply_penalties`), bit
+ * for bit: a token seen in the prompt or the output (seen[j] > 0) has its logit divided by
+ * `repetition` when positive, multiplied when not; then a token the output holds
+ * output_counts[j] times loses frequency * count + presence, each operation rounded to float32
+ * on its own (no fused multiply-add: torch multiplies, adds and subtracts in three ops). Every
+ * token computed and selected, so that the loops vectorize.
+ */
+__attribute__((noinline, optimize("fp-contract=off"))) void radixrt_penalize_row(
+    float *x, int64_t cols, const int32_t *seen, const int32_t *output_counts, float repetition, float frequency,
+    float presence
+) {
+    if (repetition != 1.0f) {
+        #pragma omp simd
+        for (int64_t j = 0; j < cols; j++) {
+            const float penalised = x[j] > 0.0f ? x[j] / repetition : x[j] * repetition;
+            x[j] = seen[j] > 0 ? penalised : x[j];
+        }
+    }
+    if (frequency != 0.0f || presence != 0.0f) {
+        #pragma omp simd
+        for (int64_t j = 0; j < cols; j++) {
+            const float scaled = frequency * (float)output_counts[j];
+            const float penalty = scaled + presence;
+            x[j] = output_counts[j] > 0 ? x[j] - penalty : x[j];
+        }
+    }
+}
+
 /* One row's token (see radixrt_sample_rows). `weights`: cols floats of scratch, needed only
  * with top_p < 1; `block_scratch`: a float per block of SAMPLE_BLOCK tokens. Not inlined, so
  * that every caller (the batched entry below, a decode run) samples with the same arithmetic. */
