@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_COLORS = {"radixrt": "#1f77b4", "radixrt-no-cache": "#9ecae1", "radixrt-deterministic": "#08519c",
+_COLORS = {"radixrt": "#1f77b4", "radixrt-no-cache": "#9ecae1", "radixrt-nondeterministic": "#08519c",
            "transformers": "#ff7f0e"}
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 RATIO_PAIRS = (("radixrt", "transformers"), ("radixrt", "radixrt-no-cache"), ("radixrt-no-cache", "transformers"),
-               ("radixrt-deterministic", "radixrt"))
+               ("radixrt", "radixrt-nondeterministic"))
 
 
 def machine(device: str, dtype: torch.dtype, model_name: str) -> dict[str, Any]:

@@ -15,23 +15,23 @@ from typing import Any, Sequence
 from radixrt.benchmarks.system_api import Completion, System, completion_of_meta
 from radixrt.benchmarks.workloads import Sampling
 
-SYSTEM_NAMES = ("radixrt", "radixrt-no-cache", "radixrt-deterministic", "transformers")
-# What a run measures unless --systems says otherwise: deterministic mode needs a native 4-bit
-# GGUF model, so it is asked for by name.
+SYSTEM_NAMES = ("radixrt", "radixrt-no-cache", "radixrt-nondeterministic", "transformers")
+# What a run measures unless --systems says otherwise.
 DEFAULT_SYSTEMS = ("radixrt", "radixrt-no-cache", "transformers")
 
 
 class RadixSystem:
-    """radixrt.Runtime, with the radix cache on (`radixrt`) or off (`radixrt-no-cache`), or on and
-    deterministic (`radixrt-deterministic`: what batch invariance costs)."""
+    """radixrt.Runtime as users get it (deterministic where its kernels serve the model), with the
+    radix cache on (`radixrt`) or off (`radixrt-no-cache`); or with the cache on and
+    `deterministic=False` (`radixrt-nondeterministic`: what batch invariance costs or saves)."""
 
     concurrent = True
 
     def __init__(self, model: str | None, *, cache: bool, device: str, dtype: str, attention_backend: str,
-                 page_size: int, deterministic: bool = False):
+                 page_size: int, deterministic: bool | str = "auto"):
         from radixrt.runtime import Runtime
 
-        self.name = "radixrt-deterministic" if deterministic else "radixrt" if cache else "radixrt-no-cache"
+        self.name = "radixrt-nondeterministic" if deterministic is False else "radixrt" if cache else "radixrt-no-cache"
         self.runtime = Runtime(model, device=device, dtype=dtype, attention_backend=attention_backend,
                                page_size=page_size, disable_radix_cache=not cache, deterministic=deterministic)
 
@@ -78,8 +78,8 @@ def make_system(name: str, model: str | None, device: str, dtype: str, attention
         from radixrt.benchmarks.hf_system import TransformersSystem
 
         return TransformersSystem(model_folder(model), device=device, dtype=dtype)
-    if name in ("radixrt", "radixrt-no-cache", "radixrt-deterministic"):
+    if name in ("radixrt", "radixrt-no-cache", "radixrt-nondeterministic"):
         return RadixSystem(model, cache=name != "radixrt-no-cache", device=device, dtype=dtype,
                            attention_backend=attention_backend, page_size=page_size,
-                           deterministic=name == "radixrt-deterministic")
+                           deterministic=False if name == "radixrt-nondeterministic" else "auto")
     raise ValueError(f"unknown system {name!r}; choose from {list(SYSTEM_NAMES)}")
