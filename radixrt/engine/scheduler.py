@@ -152,10 +152,10 @@ class Scheduler:
         """How many decode steps `batch` runs back to back in one call (1: this step alone), with
         slots reserved for all of them.
 
-        Only a steady batch runs: every request of it decoding, none waiting (a run holds new
-        requests back for its length), each sampling as the run's C sampler does
-        (`sampler.runs_with`); at most as many steps as the request closest to its token
-        limit may still take.
+        Only a steady batch runs: every request of it decoding, none waiting (a waiting request
+        is admitted step by step; one posted during a run ends it, `Engine.interrupt_run`), each
+        sampling as the run's C sampler does (`sampler.runs_with`); at most as many steps as the
+        request closest to its token limit may still take.
         """
         if max_steps < 2 or self.waiting or batch.retracted or batch.admitted:
             return 1

@@ -2,17 +2,19 @@
  * A decode run: several decode steps of a steady batch in one call, each
  * sampling its tokens and feeding them to the next.
  *
- * A batch-1 step of the bundled model takes ~2.5 ms in decode_stack.c, and
- * the engine around it ~0.4 ms more a token: scheduling, building the
- * batch, sampling, bookkeeping, and Python's own working set coming back from
- * memory after the step streamed ~96 MB of weights through the caches. When
- * nothing is waiting to be admitted and every request of the batch samples
- * with what the C sampler computes, the engine hands k steps to this call:
+ * A batch-1 token of the bundled model took 2.77 ms through the engine, of
+ * which the model's call 2.43: the rest was scheduling, building the batch,
+ * sampling and bookkeeping, slowed by Python's working set coming back from
+ * memory after each step streamed ~96 MB of weights through the caches. When
+ * nothing is waiting to be admitted and no request of the batch wants what
+ * only the Python sampler computes (top log-probabilities), the engine hands
+ * k steps to this call:
  *
  *   step s:  tokens (the caller's, then the ones step s - 1 sampled)
  *            -> radixrt_stack_step at positions p + s, K/V into the rows' next slots
- *            -> per row: row stats, then its token (argmax, or drawn at uniforms[s])
- *            -> stop after this step when a row drew one of its stop tokens
+ *            -> per row: penalties, row stats, then its token (argmax, or drawn at uniforms[s])
+ *            -> stop after this step when a row drew one of its stop tokens or the
+ *               caller raised its interrupt flag
  *
  * Each step computes exactly what a one-step call with the same requests
  * computes: the same kernels, attention cut into the same pieces as
@@ -128,7 +130,9 @@ int radixrt_int4_decode_run_bf16(
         if (first_tokens[r] < 0 || first_tokens[r] >= vocab) return -4;
         const int64_t last = first_positions[r] + num_steps - 1;
         if (first_positions[r] < 0 || last >= table_rows) return -5;
-        if (owner[r] < 0 || owner[r] >= rows) return -1;
+        if (owner[r] < 0 || owner[r] >= rows || shared_chunks[r] < 0 || shared_chunks[r] * chunk > first_positions[r] ||
+            shared_chunks[r] * chunk > first_positions[owner[r]])
+            return -1;  /* a shared chunk outside what both rows had cached */
         for (int64_t j = 0; j <= last; j++)
             if (slots[slot_starts[r] + j] < 0 || slots[slot_starts[r] + j] >= num_slots) return -3;
         last_position = last > last_position ? last : last_position;
