@@ -10,26 +10,21 @@ from typing import Any
 import pytest
 import torch
 
-from radixrt.kernels import cpu
 from radixrt.kernels.forward_batch import ForwardBatch
-from radixrt.model.linear import PackedLMHead
 from radixrt.model.loader import LoadedModel
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.runner import ModelRunner
+from radixrt.runtime.api import Runtime
 from radixrt.sampling.params import SamplingParams
 from radixrt.sampling.sampler import Sampler, run_sampling
-from radixrt.runtime.api import Runtime
 from tests.conftest import TINY_VOCAB
-from tests.test_decode_stack import VOCAB, filled_runner, native_llama
+from tests.test_decode_stack import VOCAB, filled_runner, headed_model, native_llama  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    if cpu.decode_run() is None:
-        pytest.skip("no C compiler or no AVX512-BF16 on this CPU: no whole-step kernel")
-    ours = native_llama(quantized_head=True)
-    assert isinstance(ours._invariant_lm_head, PackedLMHead)
-    return ours
+def model(headed_model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The whole-step kernel's tiny Llama with a quantized head of its own (runs need both)."""
+    return headed_model
 
 
 def deterministic_runner(model: LlamaForCausalLM, num_slots: int) -> ModelRunner:

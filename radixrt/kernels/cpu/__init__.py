@@ -465,18 +465,9 @@ class DecodeStack:
             0 if logit_rows is None else logit_rows.numel(), None if logit_rows is None else logit_rows.data_ptr(),
             None if logits is None else logits.data_ptr(), _threads(),
         )  # fmt: skip
-        if status == -3:
-            raise IndexError(f"a K/V slot is outside the pool of {num_slots} slots")
-        if status == -4:
-            raise IndexError(f"a token id outside the embedding's rows 0 .. {embedding.shape[0] - 1}")
-        if status == -5:
-            raise IndexError(f"a position outside the RoPE tables' rows 0 .. {cos.shape[0] - 1}")
         if status == -6:
             raise IndexError(f"a logit row outside the step's rows 0 .. {token_ids.shape[0] - 1}")
-        if status == -1:
-            raise ValueError(f"decode stack kernel refused heads {heads}")
-        if status:
-            raise MemoryError("decode stack kernel could not allocate its buffers")
+        _raise_for_stack_status(status, "decode stack", num_slots, embedding.shape[0], cos.shape[0], heads)
 
 
 class RunRows(NamedTuple):
@@ -573,17 +564,25 @@ class DecodeRun:
             sampling.stop_ids.data_ptr(), None if interrupt is None else ctypes.addressof(interrupt), num_steps,
             tokens.data_ptr(), logprobs.data_ptr(), _threads(),
         )  # fmt: skip
-        if done == -3:
-            raise IndexError(f"a K/V slot is outside the pool of {num_slots} slots")
-        if done == -4:
-            raise IndexError(f"a token id outside the embedding's rows 0 .. {embedding.shape[0] - 1}")
-        if done == -5:
-            raise IndexError(f"a position outside the RoPE tables' rows 0 .. {cos.shape[0] - 1}")
-        if done == -1:
-            raise ValueError(f"decode run kernel refused heads {heads} or its batch")
         if done < 0:
-            raise MemoryError("decode run kernel could not allocate its buffers")
+            _raise_for_stack_status(done, "decode run", num_slots, embedding.shape[0], cos.shape[0], heads)
         return tokens[:done], logprobs[:done]
+
+
+def _raise_for_stack_status(
+    status: int, kernel: str, num_slots: int, vocab_rows: int, table_rows: int, heads: tuple[int, int, int]
+) -> None:
+    """The error a whole-step kernel's negative status stands for (nothing was computed)."""
+    if status == -3:
+        raise IndexError(f"a K/V slot is outside the pool of {num_slots} slots")
+    if status == -4:
+        raise IndexError(f"a token id outside the embedding's rows 0 .. {vocab_rows - 1}")
+    if status == -5:
+        raise IndexError(f"a position outside the RoPE tables' rows 0 .. {table_rows - 1}")
+    if status == -1:
+        raise ValueError(f"{kernel} kernel refused heads {heads} or the shape of its batch")
+    if status:
+        raise MemoryError(f"{kernel} kernel could not allocate its buffers")
 
 
 def _penalty_pointers(penalties: RunPenalties | None) -> list[int | None]:
