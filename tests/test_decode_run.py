@@ -276,3 +276,29 @@ def test_decode_steps_must_be_a_positive_integer(loaded):
     for bad in (0, -1, 2.5, "8"):
         with pytest.raises(ValueError, match="decode_steps"):
             Runtime(loaded, decode_steps=bad)
+
+
+def test_a_post_during_a_run_ends_it_after_its_step_and_changes_nothing(loaded, monkeypatch):
+    """Anything a caller posts while a run computes (here an abort of an unknown id, posted as
+    the first run starts) ends that run after its current step; the outputs stay those of
+    step-by-step decoding."""
+    want = serve(loaded, REQUESTS, decode_steps=1)
+    real = ModelRunner.decode_run
+    runs: list[int] = []
+    with Runtime(loaded, check_invariants=True, max_total_tokens=2048, decode_steps=8) as runtime:
+
+        def posting_first(runner: ModelRunner, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not runs:
+                runtime.abort("no-such-request")
+            tokens, logprobs = real(runner, *args)
+            runs.append(tokens.shape[0])
+            return tokens, logprobs
+
+        monkeypatch.setattr(ModelRunner, "decode_run", posting_first)
+
+        async def all_together() -> list[Any]:
+            return await asyncio.gather(*(runtime.async_generate(p, params) for p, params in REQUESTS))
+
+        got = asyncio.run(all_together())
+    assert runs[0] == 1 and len(runs) > 1 and max(runs) > 1
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
