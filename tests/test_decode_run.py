@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.loader import LoadedModel
@@ -119,6 +121,43 @@ def test_a_run_gives_the_tokens_and_logprobs_of_single_steps(model, contexts, sh
     assert torch.equal(got_logprobs, want_logprobs)
     assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.k, reference.kv_cache.k))
     assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.v, reference.kv_cache.v))
+
+
+@st.composite
+def run_cases(draw: Any) -> tuple[list[int], int, list[SamplingParams], int, int]:
+    """Contexts (some crossing 256-key chunks during the run), a shared prefix, each row's
+    settings from MIXED, the run's length, and a seed for the prompts and earlier outputs."""
+    rows = draw(st.integers(1, 5))
+    shared = draw(st.sampled_from([0, 0, 64, 256, 300]))
+    contexts = [draw(st.integers(max(shared, 1), 560)) for _ in range(rows)]
+    params = [draw(st.sampled_from(MIXED)) for _ in range(rows)]
+    return contexts, shared, params, draw(st.integers(1, 7)), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(run_cases())
+def test_any_run_gives_what_single_steps_give(model, case):
+    """Property: for random batches (sizes, contexts, shared prefixes, settings, earlier outputs,
+    a stop token drawn from the reference), a run's tokens, log-probabilities and K/V are those
+    of single steps up to the step that drew the stop token."""
+    contexts, shared, params, steps, seed = case
+    slots, num_slots = sequences(contexts, shared, steps, seed=seed)
+    seeds = [seed + i for i in range(len(contexts))]
+    tokens = [(seed + 5 * i) % VOCAB for i in range(len(contexts))]
+    prompts, earlier = histories(len(contexts), seed=seed)
+    free, _ = step_by_step(deterministic_runner(model, num_slots), tokens, contexts, slots, params, seeds,
+                           [[] for _ in contexts], steps, prompts, earlier)  # fmt: skip
+    stop = int(free[(seed // 7) % steps, (seed // 3) % len(contexts)])  # a token some row draws
+    stops = [[stop] if i == (seed // 3) % len(contexts) else [] for i in range(len(contexts))]
+    reference = deterministic_runner(model, num_slots)
+    want_tokens, want_logprobs = step_by_step(reference, tokens, contexts, slots, params, seeds, stops, steps, prompts,
+                                              earlier)  # fmt: skip
+    runner = deterministic_runner(model, num_slots)
+    got_tokens, got_logprobs = runner.decode_run(
+        tokens, contexts, slots, run_sampling(params, seeds, prompts, earlier, stops, steps, VOCAB), steps
+    )
+    assert torch.equal(got_tokens, want_tokens) and torch.equal(got_logprobs, want_logprobs)
+    assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.k, reference.kv_cache.k))
 
 
 def test_a_run_stops_after_the_step_that_drew_a_stop_token(model):
