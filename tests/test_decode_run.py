@@ -206,7 +206,7 @@ def test_a_run_continues_a_request_from_its_output_count(model):
     assert torch.equal(torch.cat([first, rest]), want)
 
 
-def test_a_run_refuses_slots_positions_and_tokens_outside_its_tables(model):
+def test_a_run_refuses_slots_tokens_and_penalty_counts_that_do_not_fit(model):
     slots, num_slots = sequences([10], 0, 4, seed=3)
     runner = deterministic_runner(model, num_slots)
     sampling = run_sampling([SamplingParams(temperature=0)], [0], [[]], [[]], [[]], 4, VOCAB)
@@ -215,6 +215,10 @@ def test_a_run_refuses_slots_positions_and_tokens_outside_its_tables(model):
         runner.decode_run([1], [10], [torch.cat([slots[0][:-1], torch.tensor([num_slots])])], sampling, 4)
     with pytest.raises(IndexError, match="token id"):
         runner.decode_run([VOCAB], [10], slots, sampling, 4)
+    penalised = run_sampling([SamplingParams(temperature=0, repetition_penalty=1.2)], [0], [[]], [[]], [[]], 4,
+                             VOCAB - 1)  # counts one token short of the head's rows
+    with pytest.raises(ValueError, match="penalty counts must be"):
+        runner.decode_run([1], [10], slots, penalised, 4)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.k)), "nothing computed"
 
 

@@ -543,12 +543,16 @@ class DecodeRun:
         """(tokens [n, B] int64, log-probabilities [n, B] float32 at temperature 1) of the n <=
         `num_steps` steps run: n stops at the first step where a row drew a stop token, or
         where `interrupt` (set from any thread) was nonzero. The model as `DecodeStack` takes
-        it; each step's K/V go to the rows' next slots. Raises
-        IndexError, computing nothing, for a slot outside the pools, a token id outside the
-        embedding or a position outside the tables."""
+        it; each step's K/V go to the rows' next slots. Raises IndexError, computing nothing,
+        for a slot outside the pools, a token id outside the embedding or a position outside
+        the tables; ValueError for penalty counts not [B, head rows] int32 and contiguous."""
         num_q_heads, num_kv_heads, head_dim = heads
         cos, signed_sin = rope_tables
         batch = rows.first_tokens.shape[0]
+        for counts in () if sampling.penalties is None else sampling.penalties[3:]:
+            if counts.shape != (batch, head.num_rows) or counts.dtype != torch.int32 or not counts.is_contiguous():
+                raise ValueError(f"penalty counts must be [{batch}, {head.num_rows}] int32 and contiguous, "
+                                 f"got {tuple(counts.shape)} {counts.dtype}")
         tokens = torch.empty(num_steps, batch, dtype=torch.int64)
         logprobs = torch.empty(num_steps, batch, dtype=torch.float32)
         done = self._fn(
