@@ -37,15 +37,11 @@
 
 enum { INPUT_NORM, QKV, O, POST_NORM, GATE_UP, DOWN, LAYER_WEIGHTS };
 
-/* A step as one layer sees it: the model's shape and this step's rows. */
-typedef struct {
-    int64_t rows, dim, qkv_rows, attn_dim, intermediate;
-    int num_q_heads, num_kv_heads, head_dim;
-    float eps, scale;
-    const int64_t *positions;  /* each row's position: its row of the RoPE tables */
-    const uint16_t *cos, *signed_sin;  /* [table rows, head_dim] */
-    const int64_t *out_slots, *kv_indices;
-} Step;
+/* Widths of a q/k/v row and of the attention output. */
+static inline int64_t qkv_width(const StackModel *m) {
+    return (int64_t)(m->num_q_heads + 2 * m->num_kv_heads) * m->head_dim;
+}
+static inline int64_t attn_width(const StackModel *m) { return (int64_t)m->num_q_heads * m->head_dim; }
 
 struct StackBuffers {
     uint16_t *normed, *qkv, *attn, *projected, *gate_up, *activated, *head_input, *own_hidden;
@@ -59,14 +55,14 @@ struct StackBuffers {
     team_share(team, n, &i##_first, &i##_last); \
     for (int64_t i = i##_first; i < i##_last; i++)
 
-static void layer(const Team *team, const Step *st, const void *const *weights, uint16_t *k_pool, uint16_t *v_pool,
-                  AttentionWork *work, atomic_long *next_item, uint16_t *hidden, const StackBuffers *b,
+static void layer(const Team *team, const StackModel *m, const StackStep *st, const void *const *weights,
+                  uint16_t *k_pool, uint16_t *v_pool, atomic_long *next_item, uint16_t *hidden, const StackBuffers *b,
                   void *scratch) {
-    const int64_t rows = st->rows, dim = st->dim, qkv_rows = st->qkv_rows, inter = st->intermediate;
-    const int64_t kv_elems = (int64_t)st->num_kv_heads * st->head_dim;
+    const int64_t rows = st->rows, dim = m->dim, qkv_rows = qkv_width(m), attn_dim = attn_width(m);
+    const int64_t inter = m->intermediate, kv_elems = (int64_t)m->num_kv_heads * m->head_dim;
     {
         FOR_SHARE(team, rows, r)
-            radixrt_rms_norm_row(hidden + r * dim, NULL, weights[INPUT_NORM], b->normed + r * dim, dim, st->eps);
+            radixrt_rms_norm_row(hidden + r * dim, NULL, weights[INPUT_NORM], b->normed + r * dim, dim, m->eps);
     }
     team_barrier(team);
     radixrt_quantized_matmul_share(team, b->normed, dim, rows, weights[QKV], 4, qkv_rows, dim, NULL, b->qkv, scratch);
@@ -74,24 +70,24 @@ static void layer(const Team *team, const Step *st, const void *const *weights, 
     {
         FOR_SHARE(team, rows, r) {
             uint16_t *row = b->qkv + r * qkv_rows;
-            const int64_t table_row = st->positions[r] * st->head_dim;
-            radixrt_rope_row(row, st->num_q_heads + st->num_kv_heads, st->head_dim, st->cos + table_row,
-                             st->signed_sin + table_row);
-            const uint16_t *k = row + st->attn_dim, *v = k + kv_elems;
+            const int64_t table_row = st->positions[r] * m->head_dim;
+            radixrt_rope_row(row, m->num_q_heads + m->num_kv_heads, m->head_dim, m->cos + table_row,
+                             m->signed_sin + table_row);
+            const uint16_t *k = row + attn_dim, *v = k + kv_elems;
             memcpy(k_pool + st->out_slots[r] * kv_elems, k, sizeof(uint16_t) * (size_t)kv_elems);
             memcpy(v_pool + st->out_slots[r] * kv_elems, v, sizeof(uint16_t) * (size_t)kv_elems);
         }
     }
     team_barrier(team);
-    radixrt_attention_run(team, work, next_item, b->qkv, qkv_rows, k_pool, v_pool, st->kv_indices, st->scale, b->attn,
-                          NULL);
-    radixrt_quantized_matmul_share(team, b->attn, st->attn_dim, rows, weights[O], 4, dim, st->attn_dim, NULL,
-                                   b->projected, scratch);
+    radixrt_attention_run(team, st->work, next_item, b->qkv, qkv_rows, k_pool, v_pool, st->kv_indices, m->scale,
+                          b->attn, NULL);
+    radixrt_quantized_matmul_share(team, b->attn, attn_dim, rows, weights[O], 4, dim, attn_dim, NULL, b->projected,
+                                   scratch);
     team_barrier(team);
     {
         FOR_SHARE(team, rows, r)
             radixrt_rms_norm_row(hidden + r * dim, b->projected + r * dim, weights[POST_NORM], b->normed + r * dim,
-                                 dim, st->eps);
+                                 dim, m->eps);
     }
     team_barrier(team);
     radixrt_quantized_matmul_share(team, b->normed, dim, rows, weights[GATE_UP], 4, 2 * inter, dim, NULL, b->gate_up,
@@ -120,8 +116,7 @@ int radixrt_stack_model_check(const StackModel *model) {
 
 StackBuffers *radixrt_stack_buffers_new(const StackModel *m, int64_t rows, int64_t logit_rows, int own_hidden,
                                         int threads) {
-    const int64_t dim = m->dim, inter = m->intermediate, attn_dim = (int64_t)m->num_q_heads * m->head_dim;
-    const int64_t qkv_rows = (int64_t)(m->num_q_heads + 2 * m->num_kv_heads) * m->head_dim;
+    const int64_t dim = m->dim, inter = m->intermediate, attn_dim = attn_width(m), qkv_rows = qkv_width(m);
     const int64_t widest = dim > attn_dim ? (dim > inter ? dim : inter) : (attn_dim > inter ? attn_dim : inter);
     StackBuffers *b = calloc(1, sizeof(StackBuffers));
     if (b == NULL) return NULL;
@@ -161,11 +156,6 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
     const int64_t rows = step->rows, dim = m->dim;
     uint16_t *hidden = step->hidden != NULL ? step->hidden : b->own_hidden;
     char *own_scratch = b->scratch + b->scratch_per_thread * team->thread;
-    const Step st = {
-        rows, dim, (int64_t)(m->num_q_heads + 2 * m->num_kv_heads) * m->head_dim,
-        (int64_t)m->num_q_heads * m->head_dim, m->intermediate, m->num_q_heads, m->num_kv_heads, m->head_dim,
-        m->eps, m->scale, step->positions, m->cos, m->signed_sin, step->out_slots, step->kv_indices,
-    };
     {
         FOR_SHARE(team, rows, r)
             memcpy(hidden + r * dim, m->embedding + step->token_ids[r] * dim, sizeof(uint16_t) * (size_t)dim);
@@ -174,8 +164,8 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
     for (int i = 0; i < m->num_layers; i++) {
         const void *weights[LAYER_WEIGHTS];
         for (int w = 0; w < LAYER_WEIGHTS; w++) weights[w] = (const void *)m->layer_weights[i * LAYER_WEIGHTS + w];
-        layer(team, &st, weights, (uint16_t *)m->k_pools[i], (uint16_t *)m->v_pools[i], step->work,
-              &step->next_items[i], hidden, b, own_scratch);
+        layer(team, m, step, weights, (uint16_t *)m->k_pools[i], (uint16_t *)m->v_pools[i], &step->next_items[i],
+              hidden, b, own_scratch);
     }
     if (step->num_logit_rows) {
         {
