@@ -83,7 +83,9 @@ class FinishReason:
 
 
 def stop_token_ids(params: SamplingParams, eos_token_ids: Collection[int]) -> tuple[int, ...]:
-    """The tokens that end a request as a stop: its stop tokens and, unless `ignore_eos`, EOS."""
+    """The tokens that end a request as a stop: its stop tokens and, unless `ignore_eos`, EOS
+    (listed for a decode run's C loop; `token_finish_reason` tests the same rule per token without
+    building the list)."""
     return (*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids))
 
 
@@ -95,7 +97,7 @@ def token_finish_reason(
     `num_output_tokens` counts the new token. A stop token, or EOS unless
     `ignore_eos`, wins over the length limit reached by the same token.
     """
-    if token_id in stop_token_ids(params, eos_token_ids):
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return FinishReason.stop(token_id)
     if num_output_tokens >= params.token_limit:
         return FinishReason.at_length(params.token_limit)
