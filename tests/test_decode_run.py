@@ -309,8 +309,7 @@ def test_streams_carry_the_same_text_a_run_at_a_time(loaded, monkeypatch):
 
 def test_top_logprobs_decode_step_by_step(loaded, monkeypatch):
     spy = RunSpy(monkeypatch)
-    serve(loaded, [("the quick", {"temperature": 0, "max_new_tokens": 12, "repetition_penalty": 1.3}),
-                   ("the quick", {"temperature": 0, "max_new_tokens": 12, "top_logprobs_num": 2,
+    serve(loaded, [("the quick", {"temperature": 0, "max_new_tokens": 12, "top_logprobs_num": 2,
                                   "return_logprob": True})])  # fmt: skip
     assert spy.runs == 0
 

@@ -549,7 +549,8 @@ class DecodeRun:
         num_q_heads, num_kv_heads, head_dim = heads
         cos, signed_sin = rope_tables
         batch = rows.first_tokens.shape[0]
-        for counts in () if sampling.penalties is None else sampling.penalties[3:]:
+        penalties = sampling.penalties
+        for counts in () if penalties is None else (penalties.seen, penalties.output_counts):
             if counts.shape != (batch, head.num_rows) or counts.dtype != torch.int32 or not counts.is_contiguous():
                 raise ValueError(f"penalty counts must be [{batch}, {head.num_rows}] int32 and contiguous, "
                                  f"got {tuple(counts.shape)} {counts.dtype}")
@@ -563,10 +564,11 @@ class DecodeRun:
             batch, rows.first_tokens.data_ptr(), rows.first_positions.data_ptr(), rows.slots.data_ptr(),
             rows.slot_starts.data_ptr(), rows.owner.data_ptr(), rows.shared_chunks.data_ptr(), rows.chunk,
             sampling.temperatures.data_ptr(), sampling.top_k.data_ptr(), sampling.top_p.data_ptr(),
-            sampling.min_p.data_ptr(), sampling.uniforms.data_ptr(), *_penalty_pointers(sampling.penalties),
-            sampling.stop_ptr.data_ptr(),
-            sampling.stop_ids.data_ptr(), None if interrupt is None else ctypes.addressof(interrupt), num_steps,
-            tokens.data_ptr(), logprobs.data_ptr(), _threads(),
+            sampling.min_p.data_ptr(), sampling.uniforms.data_ptr(),
+            *([None] * 5 if penalties is None else [tensor.data_ptr() for tensor in penalties]),
+            sampling.stop_ptr.data_ptr(), sampling.stop_ids.data_ptr(),
+            None if interrupt is None else ctypes.addressof(interrupt), num_steps, tokens.data_ptr(),
+            logprobs.data_ptr(), _threads(),
         )  # fmt: skip
         if done < 0:
             _raise_for_stack_status(done, "decode run", num_slots, embedding.shape[0], cos.shape[0], heads)
@@ -587,12 +589,6 @@ def _raise_for_stack_status(
         raise ValueError(f"{kernel} kernel refused heads {heads} or the shape of its batch")
     if status:
         raise MemoryError(f"{kernel} kernel could not allocate its buffers")
-
-
-def _penalty_pointers(penalties: RunPenalties | None) -> list[int | None]:
-    if penalties is None:
-        return [None] * 5
-    return [tensor.data_ptr() for tensor in penalties]
 
 
 class RowStats:
