@@ -406,6 +406,45 @@ class Int4Layer:
         return hidden
 
 
+class ProductBalance:
+    """How a whole-step kernel's threads divide each kind of weight product (`product_balance.c`):
+    learnt from their measured speeds and kept from call to call. The split changes only which
+    thread computes a tile, never a result."""
+
+    KINDS = ("qkv", "o", "gate_up", "down", "head")
+
+    def __init__(self, library: ctypes.CDLL):
+        self._shares_fn = library.radixrt_product_balance_shares
+        self._shares_fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._shares_fn.restype = ctypes.c_int
+        self._set_fn = library.radixrt_product_balance_set
+        self._set_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        self._max_threads = int(library.radixrt_product_balance_threads())
+        self._state = torch.zeros(int(library.radixrt_product_balance_bytes()), dtype=torch.uint8)
+
+    @property
+    def pointer(self) -> int:
+        """The state's address, for the kernels (the object keeps it alive)."""
+        return self._state.data_ptr()
+
+    def shares(self) -> dict[str, list[float]] | None:
+        """Each kind's share of its tiles per thread, or None before a step of two or more threads."""
+        out = torch.zeros(len(self.KINDS), self._max_threads, dtype=torch.float32)
+        threads = self._shares_fn(self.pointer, out.data_ptr())
+        return None if threads == 0 else {kind: out[k, :threads].tolist() for k, kind in enumerate(self.KINDS)}
+
+    def set_shares(self, shares: Sequence[Sequence[float]]) -> None:
+        """Fix each kind's shares (a row per kind in `KINDS` order, one positive share per thread,
+        summing to 1); later steps learn on from them."""
+        table = torch.tensor(shares, dtype=torch.float32)
+        if table.dim() != 2 or table.shape[0] != len(self.KINDS) or not 2 <= table.shape[1] <= self._max_threads:
+            raise ValueError(f"shares must be {len(self.KINDS)} rows ({', '.join(self.KINDS)}) of 2 .. "
+                             f"{self._max_threads} per-thread shares, got shape {tuple(table.shape)}")
+        if not bool((table > 0).all()) or not torch.allclose(table.sum(1), torch.ones(len(self.KINDS)), atol=1e-5):
+            raise ValueError(f"shares must be positive and each row must sum to 1, got {table.tolist()}")
+        self._set_fn(self.pointer, table.shape[1], table.contiguous().data_ptr())
+
+
 class DecodeStack:
     """`decode_stack.c`: a whole step of a plain Llama model on `pack_int4`ed weights, token ids
     to logits, for a few new tokens, in one call."""
@@ -423,9 +462,10 @@ class DecodeStack:
             pointer, pointer,  # out_slots, kv_indices
             i32, pointer, pointer, pointer, pointer,  # segments: count, starts, lens, row_ptr, rows
             pointer, pointer, i32, i64,  # final norm, head, head bits, head rows
-            i64, pointer, pointer, i32,  # logit rows: count, rows; logits; threads
+            i64, pointer, pointer, pointer, i32,  # logit rows: count, rows; logits; balance; threads
         ]
         self._fn.restype = i32
+        self.balance = ProductBalance(library)
 
     def __call__(
         self, token_ids: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor | None, layer_weights: torch.Tensor,
@@ -463,7 +503,7 @@ class DecodeStack:
             None if final_norm is None else final_norm.data_ptr(), None if packed is None else packed.data.data_ptr(),
             0 if packed is None else packed.bits, 0 if packed is None else packed.num_rows,
             0 if logit_rows is None else logit_rows.numel(), None if logit_rows is None else logit_rows.data_ptr(),
-            None if logits is None else logits.data_ptr(), _threads(),
+            None if logits is None else logits.data_ptr(), self.balance.pointer, _threads(),
         )  # fmt: skip
         if status == -6:
             raise IndexError(f"a logit row outside the step's rows 0 .. {token_ids.shape[0] - 1}")
@@ -530,9 +570,10 @@ class DecodeRun:
             pointer, pointer, pointer, pointer, pointer,  # temperatures, top_k, top_p, min_p, uniforms
             pointer, pointer, pointer, pointer, pointer,  # repetition, frequency, presence, seen, output counts
             pointer, pointer, pointer, i32, pointer,  # stop ptr, stop ids, interrupt, steps, tokens
-            pointer, i32,  # logprobs, threads
+            pointer, pointer, i32,  # logprobs, balance, threads
         ]
         self._fn.restype = i32
+        self.balance = ProductBalance(library)
 
     def __call__(
         self, embedding: torch.Tensor, layer_weights: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor,
@@ -568,7 +609,7 @@ class DecodeRun:
             *([None] * 5 if penalties is None else [tensor.data_ptr() for tensor in penalties]),
             sampling.stop_ptr.data_ptr(), sampling.stop_ids.data_ptr(),
             None if interrupt is None else ctypes.addressof(interrupt), num_steps, tokens.data_ptr(),
-            logprobs.data_ptr(), _threads(),
+            logprobs.data_ptr(), self.balance.pointer, _threads(),
         )  # fmt: skip
         if done < 0:
             _raise_for_stack_status(done, "decode run", num_slots, embedding.shape[0], cos.shape[0], heads)

@@ -380,16 +380,16 @@ static void merge_row(const AttentionWork *w, int64_t row, int h, void *out, flo
 
 void radixrt_attention_run(const Team *team, AttentionWork *w, atomic_long *next_item, const void *q,
                            int64_t q_row_stride, const void *k_pool, const void *v_pool,
-                           const int64_t *kv_indices, float scale, void *out, float *lse) {
+                           const int64_t *kv_indices, float scale, void *out, float *lse, Prefetch *pending) {
     for (long item; (item = atomic_fetch_add_explicit(next_item, 1, memory_order_relaxed)) < w->num_items;)
         run_item(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale);
-    team_barrier(team);
+    team_wait(team, pending);
     const int hkv = w->seg.num_kv_heads;
     int64_t first, last;
     team_share(team, w->num_merge_rows * hkv, &first, &last);
     for (int64_t pair = first; pair < last; pair++)
         merge_row(w, w->merge_rows[pair / hkv], (int)(pair % hkv), out, lse);
-    team_barrier(team);
+    team_wait(team, pending);
 }
 
 /*
@@ -413,7 +413,8 @@ int radixrt_segment_attention(
     #pragma omp parallel num_threads(num_threads)
     {
         Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
-        radixrt_attention_run(&team, work, &next_item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, out, lse);
+        radixrt_attention_run(&team, work, &next_item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, out, lse,
+                              NULL);
     }
     radixrt_attention_work_free(work);
     return 0;

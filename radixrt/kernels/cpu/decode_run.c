@@ -101,7 +101,8 @@ static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positio
  * draws tokens); row r stops the run at a token among stop_ids[stop_ptr[r] ..
  * stop_ptr[r + 1]), and any step stops it while *interrupt (when not NULL) is nonzero: the caller
  * has something to do between steps (a new request). tokens, logprobs: [num_steps, rows], step
- * s's token of row r and its log-probability at temperature 1.
+ * s's token of row r and its log-probability at temperature 1. balance: the caller's
+ * ProductBalance (product_balance.c), learnt on across calls, or NULL.
  * Returns the steps run (1 .. num_steps: after the first stop token), or before computing
  * anything -1 for a shape the kernels do not take, -2 without memory, -3 for a slot outside the
  * pools, -4 for a token id outside the embedding, -5 for a position outside the tables.
@@ -116,11 +117,12 @@ int radixrt_int4_decode_run_bf16(
     const float *temperatures, const int64_t *top_k, const float *top_p, const float *min_p, const double *uniforms,
     const float *repetition, const float *frequency, const float *presence, int32_t *seen, int32_t *output_counts,
     const int64_t *stop_ptr, const int64_t *stop_ids, const atomic_int *interrupt, int num_steps, int64_t *tokens,
-    float *logprobs, int num_threads
+    float *logprobs, ProductBalance *balance, int num_threads
 ) {
     const StackModel model = {
         embedding, vocab, dim, num_layers, layer_weights, k_pools, v_pools, num_slots, eps, scale, num_q_heads,
         num_kv_heads, head_dim, intermediate, cos, signed_sin, table_rows, final_norm, head, head_bits, head_rows,
+        balance,
     };
     if (radixrt_stack_model_check(&model) || head == NULL || head_rows > vocab || rows < 1 || num_steps < 1 ||
         chunk < 1)

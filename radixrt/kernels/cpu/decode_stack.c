@@ -55,18 +55,63 @@ struct StackBuffers {
     team_share(team, n, &i##_first, &i##_last); \
     for (int64_t i = i##_first; i < i##_last; i++)
 
-static void layer(const Team *team, const StackModel *m, const StackStep *st, const void *const *weights,
+/* A weight product of the step: its kind (for the balance), packed weight and shape. */
+typedef struct {
+    int kind;
+    const void *weight;
+    int bits;
+    int64_t num_rows, num_cols;
+} Product;
+
+/* This thread's share of the product's weight, as bytes to request while waiting before it. */
+static Prefetch share_of(const Team *team, const StackModel *m, Product p) {
+    int64_t first, last;
+    radixrt_product_tiles(m->balance, team, p.kind, p.num_rows / QUANTIZED_TILE_ROWS, &first, &last);
+    const int64_t tile_bytes = radixrt_quantized_tile_bytes(p.bits, p.num_cols);
+    return (Prefetch){(const char *)p.weight + first * tile_bytes, (const char *)p.weight + last * tile_bytes};
+}
+
+/* This thread's share of out = x @ w.T ([rows, num_rows]), timed for the balance. */
+static void multiply(const Team *team, const StackModel *m, Product p, const uint16_t *x, int64_t rows, float *out,
+                     uint16_t *out_bf16, void *scratch) {
+    int64_t first, last;
+    radixrt_product_tiles(m->balance, team, p.kind, p.num_rows / QUANTIZED_TILE_ROWS, &first, &last);
+    const uint64_t start = radixrt_ticks();
+    radixrt_quantized_matmul_tiles(x, p.num_cols, rows, p.weight, p.bits, p.num_rows, p.num_cols, out, out_bf16,
+                                   scratch, first, last);
+    radixrt_product_record(m->balance, team, p.kind, last - first, radixrt_ticks() - start);
+}
+
+/* The layer's products, in the order the step multiplies them. */
+static void layer_products(const StackModel *m, const int64_t *weights, Product products[4]) {
+    const int64_t dim = m->dim, inter = m->intermediate;
+    products[0] = (Product){PRODUCT_QKV, (const void *)weights[QKV], 4, qkv_width(m), dim};
+    products[1] = (Product){PRODUCT_O, (const void *)weights[O], 4, dim, attn_width(m)};
+    products[2] = (Product){PRODUCT_GATE_UP, (const void *)weights[GATE_UP], 4, 2 * inter, dim};
+    products[3] = (Product){PRODUCT_DOWN, (const void *)weights[DOWN], 4, dim, inter};
+}
+
+/*
+ * One layer, ending with `pending` set to this thread's share of `next` (the next layer's qkv,
+ * or the head), which it then requests while it waits; at each barrier before a product the
+ * thread requests its share of that product.
+ */
+static void layer(const Team *team, const StackModel *m, const StackStep *st, const int64_t *weights, Product next,
                   uint16_t *k_pool, uint16_t *v_pool, atomic_long *next_item, uint16_t *hidden, const StackBuffers *b,
-                  void *scratch) {
+                  void *scratch, Prefetch *pending) {
     const int64_t rows = st->rows, dim = m->dim, qkv_rows = qkv_width(m), attn_dim = attn_width(m);
     const int64_t inter = m->intermediate, kv_elems = (int64_t)m->num_kv_heads * m->head_dim;
+    Product products[4];
+    layer_products(m, weights, products);
     {
         FOR_SHARE(team, rows, r)
-            radixrt_rms_norm_row(hidden + r * dim, NULL, weights[INPUT_NORM], b->normed + r * dim, dim, m->eps);
+            radixrt_rms_norm_row(hidden + r * dim, NULL, (const void *)weights[INPUT_NORM], b->normed + r * dim, dim,
+                                 m->eps);
     }
-    team_barrier(team);
-    radixrt_quantized_matmul_share(team, b->normed, dim, rows, weights[QKV], 4, qkv_rows, dim, NULL, b->qkv, scratch);
-    team_barrier(team);
+    team_wait(team, pending);
+    multiply(team, m, products[0], b->normed, rows, NULL, b->qkv, scratch);
+    *pending = share_of(team, m, products[1]);
+    team_wait(team, pending);
     {
         FOR_SHARE(team, rows, r) {
             uint16_t *row = b->qkv + r * qkv_rows;
@@ -78,35 +123,35 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
             memcpy(v_pool + st->out_slots[r] * kv_elems, v, sizeof(uint16_t) * (size_t)kv_elems);
         }
     }
-    team_barrier(team);
+    team_wait(team, pending);
     radixrt_attention_run(team, st->work, next_item, b->qkv, qkv_rows, k_pool, v_pool, st->kv_indices, m->scale,
-                          b->attn, NULL);
-    radixrt_quantized_matmul_share(team, b->attn, attn_dim, rows, weights[O], 4, dim, attn_dim, NULL, b->projected,
-                                   scratch);
-    team_barrier(team);
+                          b->attn, NULL, pending);
+    multiply(team, m, products[1], b->attn, rows, NULL, b->projected, scratch);
+    *pending = share_of(team, m, products[2]);
+    team_wait(team, pending);
     {
         FOR_SHARE(team, rows, r)
-            radixrt_rms_norm_row(hidden + r * dim, b->projected + r * dim, weights[POST_NORM], b->normed + r * dim,
-                                 dim, m->eps);
+            radixrt_rms_norm_row(hidden + r * dim, b->projected + r * dim, (const void *)weights[POST_NORM],
+                                 b->normed + r * dim, dim, m->eps);
     }
-    team_barrier(team);
-    radixrt_quantized_matmul_share(team, b->normed, dim, rows, weights[GATE_UP], 4, 2 * inter, dim, NULL, b->gate_up,
-                                   scratch);
-    team_barrier(team);
+    team_wait(team, pending);
+    multiply(team, m, products[2], b->normed, rows, NULL, b->gate_up, scratch);
+    *pending = share_of(team, m, products[3]);
+    team_wait(team, pending);
     {
         FOR_SHARE(team, rows, r)
             radixrt_silu_times(b->gate_up + r * 2 * inter, b->gate_up + r * 2 * inter + inter,
                                b->activated + r * inter, inter);
     }
-    team_barrier(team);
-    radixrt_quantized_matmul_share(team, b->activated, inter, rows, weights[DOWN], 4, dim, inter, NULL, b->projected,
-                                   scratch);
-    team_barrier(team);
+    team_wait(team, pending);
+    multiply(team, m, products[3], b->activated, rows, NULL, b->projected, scratch);
+    *pending = next.weight != NULL ? share_of(team, m, next) : (Prefetch){NULL, NULL};
+    team_wait(team, pending);
     {
         FOR_SHARE(team, rows * dim, i)
             hidden[i] = float_to_bf16(bf16_to_float(hidden[i]) + bf16_to_float(b->projected[i]));
     }
-    team_barrier(team);
+    team_wait(team, pending);
 }
 
 int radixrt_stack_model_check(const StackModel *model) {
@@ -160,22 +205,28 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
         FOR_SHARE(team, rows, r)
             memcpy(hidden + r * dim, m->embedding + step->token_ids[r] * dim, sizeof(uint16_t) * (size_t)dim);
     }
+    if (team->thread == 0) radixrt_product_rebalance(m->balance, team->threads);
     team_barrier(team);
+    const int with_head = step->num_logit_rows > 0;
+    const Product head = {PRODUCT_HEAD, with_head ? m->head : NULL, m->head_bits, m->head_rows, dim};
+    Product first[4];
+    layer_products(m, m->layer_weights, first);
+    Prefetch pending = share_of(team, m, first[0]);
     for (int i = 0; i < m->num_layers; i++) {
-        const void *weights[LAYER_WEIGHTS];
-        for (int w = 0; w < LAYER_WEIGHTS; w++) weights[w] = (const void *)m->layer_weights[i * LAYER_WEIGHTS + w];
-        layer(team, m, step, weights, (uint16_t *)m->k_pools[i], (uint16_t *)m->v_pools[i], &step->next_items[i],
-              hidden, b, own_scratch);
+        const int64_t *weights = m->layer_weights + i * LAYER_WEIGHTS;
+        Product next[4] = {head};
+        if (i + 1 < m->num_layers) layer_products(m, weights + LAYER_WEIGHTS, next);
+        layer(team, m, step, weights, next[0], (uint16_t *)m->k_pools[i], (uint16_t *)m->v_pools[i],
+              &step->next_items[i], hidden, b, own_scratch, &pending);
     }
-    if (step->num_logit_rows) {
+    if (with_head) {
         {
             FOR_SHARE(team, step->num_logit_rows, i)
                 radixrt_rms_norm_row(hidden + step->logit_rows[i] * dim, NULL, m->final_norm, b->head_input + i * dim,
                                      dim, m->eps);
         }
-        team_barrier(team);
-        radixrt_quantized_matmul_share(team, b->head_input, dim, step->num_logit_rows, m->head, m->head_bits,
-                                       m->head_rows, dim, step->logits, NULL, own_scratch);
+        team_wait(team, &pending);
+        multiply(team, m, head, b->head_input, step->num_logit_rows, step->logits, NULL, own_scratch);
     }
 }
 
@@ -188,7 +239,8 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
  * with row positions[r] of cos and signed_sin, [table_rows, head_dim]. With head not NULL,
  * logits [num_logit_rows, head_rows] fp32 = rms_norm(hidden[logit_rows[i]], final_norm) @
  * head.T (head packed with head_bits bits); hidden is left after the last layer either way
- * (hidden NULL: a buffer of the call's own, when only the logits are wanted).
+ * (hidden NULL: a buffer of the call's own, when only the logits are wanted). balance: the
+ * caller's ProductBalance (product_balance.c), learnt on across calls, or NULL.
  * Returns 0, -1 for a shape the kernels do not take, -2 without memory, -3 for a slot outside
  * the pools, -4 for a token id outside the embedding, -5 for a position outside the tables, -6 for a
  * logit row outside the step (nothing computed).
@@ -202,11 +254,12 @@ int radixrt_int4_decode_stack_bf16(
     int num_segments, const int64_t *seg_starts, const int64_t *seg_lens, const int64_t *seg_row_ptr,
     const int64_t *seg_rows,
     const uint16_t *final_norm, const uint8_t *head, int head_bits, int64_t head_rows,
-    int64_t num_logit_rows, const int64_t *logit_rows, float *logits, int num_threads
+    int64_t num_logit_rows, const int64_t *logit_rows, float *logits, ProductBalance *balance, int num_threads
 ) {
     const StackModel model = {
         embedding, vocab, dim, num_layers, layer_weights, k_pools, v_pools, num_slots, eps, scale, num_q_heads,
         num_kv_heads, head_dim, intermediate, cos, signed_sin, table_rows, final_norm, head, head_bits, head_rows,
+        balance,
     };
     if (radixrt_stack_model_check(&model)) return -1;
     for (int64_t r = 0; r < rows; r++)

@@ -58,7 +58,7 @@
 
 #include "kernels.h"
 
-#define TILE_ROWS 16
+#define TILE_ROWS QUANTIZED_TILE_ROWS
 #define MAX_BLOCK_TILES 16  /* tiles_per_block */
 #define GROUP 32
 #define CHUNKS 8
@@ -67,6 +67,8 @@
 #define MAX_BYTE_BLOCK_TILES 8  /* 8-bit codes: two accumulators a tile (tiles_per_block) */
 #define PREFETCH_BYTES 5120  /* prefetch_next_group */
 #define X16_MAX 32639  /* 127 * 256 + 127: hi = (x16 + 128) >> 8 stays in -127..127 */
+
+int64_t radixrt_quantized_tile_bytes(int bits, int64_t num_cols) { return num_cols / GROUP * BLOCK_BYTES(bits); }
 
 /* Scratch for m rows of K inputs: 4-bit, each group's sum x; 8-bit, x16's two bytes and each
  * group's s and sum x16. */
@@ -330,19 +332,17 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t g
     }
 }
 
-void radixrt_quantized_matmul_share(
-    const Team *team, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
-    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch
+void radixrt_quantized_matmul_tiles(
+    const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits, int64_t num_rows,
+    int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch, int64_t first, int64_t last
 ) {
-    const int64_t groups = num_cols / GROUP, num_tiles = num_rows / TILE_ROWS;
+    const int64_t groups = num_cols / GROUP;
     float *x_sums = scratch;
     ByteRows all = {0};
     if (bits == 4) group_sums(x, x_stride, m, groups, x_sums);
     else all = byte_rows(x, x_stride, m, num_cols, scratch);
-    /* An equal run of tiles; within it, a block of tiles is multiplied by every block of 8 rows
-     * while its codes are in cache, so the weights are read from memory once. */
-    int64_t first, last;
-    team_share(team, num_tiles, &first, &last);
+    /* Within the run of tiles, a block of tiles is multiplied by every block of 8 rows while its
+     * codes are in cache, so the weights are read from memory once. */
     for (int64_t tile = first, nt; tile < last; tile += nt) {
         nt = m <= 8 ? tiles_per_block((int)m, bits, last - tile) : 1;
         for (int64_t r = 0; r < m; r += 8) {
@@ -356,6 +356,16 @@ void radixrt_quantized_matmul_share(
                       mb, bits, out_rows, out_rows_bf16, num_rows);
         }
     }
+}
+
+void radixrt_quantized_matmul_share(
+    const Team *team, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
+    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch
+) {
+    int64_t first, last;
+    team_share(team, num_rows / TILE_ROWS, &first, &last);
+    radixrt_quantized_matmul_tiles(x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16, scratch, first,
+                                   last);
 }
 
 /*
@@ -391,6 +401,14 @@ void radixrt_quantized_matmul_share(
 ) {
     (void)team; (void)x; (void)x_stride; (void)m; (void)tiles; (void)bits; (void)num_rows; (void)num_cols;
     (void)out; (void)out_bf16; (void)scratch;
+}
+
+void radixrt_quantized_matmul_tiles(
+    const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits, int64_t num_rows,
+    int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch, int64_t first, int64_t last
+) {
+    (void)x; (void)x_stride; (void)m; (void)tiles; (void)bits; (void)num_rows; (void)num_cols; (void)out;
+    (void)out_bf16; (void)scratch; (void)first; (void)last;
 }
 
 int radixrt_quantized_matmul_bf16(
