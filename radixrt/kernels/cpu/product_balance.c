@@ -83,26 +83,24 @@ void radixrt_product_rebalance(ProductBalance *b, int threads) {
         return;
     }
     for (int k = 0; k < PRODUCT_KINDS; k++) {
-        double speed[BALANCE_THREADS], total = 0.0;
+        double speed[BALANCE_THREADS], mean = 0.0;
         int measured = 1;
         for (int t = 0; t < threads; t++) {
             measured &= b->recorded[t].ticks[k] > 0 && b->recorded[t].tiles[k] > 0;
             speed[t] = measured ? (double)b->recorded[t].tiles[k] / (double)b->recorded[t].ticks[k] : 0.0;
-            total += speed[t];
+            mean += speed[t] / threads;
             b->recorded[t].ticks[k] = 0;
             b->recorded[t].tiles[k] = 0;
         }
         if (!measured) continue;  /* a kind this step did not run, or a thread given no tiles */
-        /* halfway to the speeds, each share kept within [1/2, 2] of an equal one so that a thread
-         * slowed for a moment (descheduled) keeps some work and is measured again */
-        double sum = 0.0, next[BALANCE_THREADS];
+        /* each speed kept within [1/2, 2] of the mean, so that a thread slowed for a moment
+         * (descheduled) keeps at least a quarter of an equal share and is measured again */
+        double total = 0.0;
         for (int t = 0; t < threads; t++) {
-            double share = 0.5 * b->shares[k][t] + 0.5 * speed[t] / total;
-            const double low = 0.5 / threads, high = 2.0 / threads;
-            next[t] = share < low ? low : share > high ? high : share;
-            sum += next[t];
+            speed[t] = speed[t] < 0.5 * mean ? 0.5 * mean : speed[t] > 2.0 * mean ? 2.0 * mean : speed[t];
+            total += speed[t];
         }
-        for (int t = 0; t < threads; t++) b->shares[k][t] = (float)(next[t] / sum);
+        for (int t = 0; t < threads; t++) b->shares[k][t] = (float)(0.5 * b->shares[k][t] + 0.5 * speed[t] / total);
     }
 }
 
