@@ -197,8 +197,8 @@ def bench_floor(
     slots = [torch.arange(context + RUN_STEPS)]
 
     def run() -> None:
-        tokens, _ = runner.decode_run([int(prompts[0, -1])], [context - 1], slots, sampling, RUN_STEPS)
-        assert tokens.shape[0] == RUN_STEPS
+        out = runner.decode_run([int(prompts[0, -1])], [context - 1], slots, sampling, RUN_STEPS)
+        assert out.tokens.shape[0] == RUN_STEPS
 
     data = torch.ones(1 << 28)
     steps, run_steps, sums = [], [], []

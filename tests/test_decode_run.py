@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from radixrt.kernels import cpu
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.loader import LoadedModel
 from radixrt.model.llama import LlamaForCausalLM
@@ -54,8 +55,9 @@ def step_by_step(runner: ModelRunner, tokens, positions, slots, params, seeds, s
                  earlier=None):
     """The reference: one `forward` and one `Sampler.sample` a step, stopping as a run does
     (`prompts`, `earlier`: the prompts and earlier outputs the penalties count and, for the
-    outputs, the draws follow). Returns the new tokens and log-probabilities, [steps, rows]."""
-    sampler, logprobs = Sampler(), [[] for _ in tokens]
+    outputs, the draws follow). Returns the new tokens and log-probabilities, [steps, rows], and
+    each step's top log-probabilities (the sampler's lists, None when no row asks)."""
+    sampler, logprobs, tops = Sampler(), [[] for _ in tokens], []
     outputs = [list(e) for e in earlier] if earlier else [[] for _ in tokens]
     done = [len(o) for o in outputs]
     prompts = prompts or [[] for _ in tokens]
@@ -64,6 +66,7 @@ def step_by_step(runner: ModelRunner, tokens, positions, slots, params, seeds, s
         batch = ForwardBatch.build([[t] for t in tokens], positions, [s[: p + 1] for s, p in zip(slots, positions)])
         logits = runner.forward(batch)
         out = sampler.sample(logits, params, seeds, prompts, outputs)
+        tops.append(out.top_logprobs)
         tokens = out.token_ids.tolist()
         for i, (token, logprob) in enumerate(zip(tokens, out.logprobs.tolist())):
             outputs[i].append(token)
@@ -71,7 +74,15 @@ def step_by_step(runner: ModelRunner, tokens, positions, slots, params, seeds, s
         positions = [p + 1 for p in positions]
         if any(t in stop for t, stop in zip(tokens, stops)):
             break
-    return torch.tensor([o[n:] for o, n in zip(outputs, done)]).T, torch.tensor(logprobs).T
+    return torch.tensor([o[n:] for o, n in zip(outputs, done)]).T, torch.tensor(logprobs).T, tops
+
+
+def run_tops(out: cpu.RunOutput, params: list[SamplingParams]) -> list[list[list[tuple[int, float]]] | None]:
+    """A run's top log-probabilities as the sampler lists them: each row its own count."""
+    if out.top_tokens is None or out.top_logprobs is None:
+        return [None] * out.tokens.shape[0]
+    return [[list(zip(t, v))[: p.top_logprobs_num] for t, v, p in zip(step_tokens, step_values, params)]
+            for step_tokens, step_values in zip(out.top_tokens.tolist(), out.top_logprobs.tolist())]  # fmt: skip
 
 
 MIXED = [
@@ -82,6 +93,8 @@ MIXED = [
     SamplingParams(temperature=0, repetition_penalty=1.4),
     SamplingParams(temperature=0.9, frequency_penalty=0.1, presence_penalty=0.35, seed=8),
     SamplingParams(temperature=0, frequency_penalty=-0.7, presence_penalty=0.15),
+    SamplingParams(temperature=0, top_logprobs_num=4),
+    SamplingParams(temperature=0.9, top_p=0.95, seed=9, presence_penalty=0.3, top_logprobs_num=20),
 ]
 
 
@@ -111,14 +124,15 @@ def test_a_run_gives_the_tokens_and_logprobs_of_single_steps(model, contexts, sh
     stops = [[] for _ in contexts]
     prompts, earlier = histories(len(contexts), seed=first)
     reference = deterministic_runner(model, num_slots)
-    want_tokens, want_logprobs = step_by_step(reference, tokens, contexts, slots, params, seeds, stops, steps, prompts,
-                                              earlier)  # fmt: skip
+    want_tokens, want_logprobs, want_tops = step_by_step(reference, tokens, contexts, slots, params, seeds, stops,
+                                                         steps, prompts, earlier)  # fmt: skip
 
     runner = deterministic_runner(model, num_slots)
     sampling = run_sampling(params, seeds, prompts, earlier, stops, steps, VOCAB)
-    got_tokens, got_logprobs = runner.decode_run(tokens, contexts, slots, sampling, steps)
-    assert torch.equal(got_tokens, want_tokens)
-    assert torch.equal(got_logprobs, want_logprobs)
+    out = runner.decode_run(tokens, contexts, slots, sampling, steps)
+    assert torch.equal(out.tokens, want_tokens)
+    assert torch.equal(out.logprobs, want_logprobs)
+    assert run_tops(out, params) == want_tops
     assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.k, reference.kv_cache.k))
     assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.v, reference.kv_cache.v))
 
@@ -145,18 +159,19 @@ def test_any_run_gives_what_single_steps_give(model, case):
     seeds = [seed + i for i in range(len(contexts))]
     tokens = [(seed + 5 * i) % VOCAB for i in range(len(contexts))]
     prompts, earlier = histories(len(contexts), seed=seed)
-    free, _ = step_by_step(deterministic_runner(model, num_slots), tokens, contexts, slots, params, seeds,
+    free, *_ = step_by_step(deterministic_runner(model, num_slots), tokens, contexts, slots, params, seeds,
                            [[] for _ in contexts], steps, prompts, earlier)  # fmt: skip
     stop = int(free[(seed // 7) % steps, (seed // 3) % len(contexts)])  # a token some row draws
     stops = [[stop] if i == (seed // 3) % len(contexts) else [] for i in range(len(contexts))]
     reference = deterministic_runner(model, num_slots)
-    want_tokens, want_logprobs = step_by_step(reference, tokens, contexts, slots, params, seeds, stops, steps, prompts,
-                                              earlier)  # fmt: skip
+    want_tokens, want_logprobs, want_tops = step_by_step(reference, tokens, contexts, slots, params, seeds, stops,
+                                                         steps, prompts, earlier)  # fmt: skip
     runner = deterministic_runner(model, num_slots)
-    got_tokens, got_logprobs = runner.decode_run(
+    out = runner.decode_run(
         tokens, contexts, slots, run_sampling(params, seeds, prompts, earlier, stops, steps, VOCAB), steps
     )
-    assert torch.equal(got_tokens, want_tokens) and torch.equal(got_logprobs, want_logprobs)
+    assert torch.equal(out.tokens, want_tokens) and torch.equal(out.logprobs, want_logprobs)
+    assert run_tops(out, params) == want_tops
     assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.k, reference.kv_cache.k))
 
 
@@ -165,12 +180,12 @@ def test_a_run_stops_after_the_step_that_drew_a_stop_token(model):
     slots, num_slots = sequences(contexts, 0, steps, seed=1)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=2)]
     tokens, seeds = [5, 6], [1, 2]
-    free_tokens, _ = step_by_step(deterministic_runner(model, num_slots), tokens, contexts, slots, params, seeds,
+    free_tokens, *_ = step_by_step(deterministic_runner(model, num_slots), tokens, contexts, slots, params, seeds,
                                   [[], []], steps)  # fmt: skip
     stop = int(free_tokens[3, 1])  # row 1's fourth token (unless an earlier one is the same)
     first = next(s for s in range(steps) if int(free_tokens[s, 1]) == stop)
     runner = deterministic_runner(model, num_slots)
-    got, _ = runner.decode_run(tokens, contexts, slots, run_sampling(params, seeds, [[], []], [[], []], [[], [stop]], steps,
+    got, *_ = runner.decode_run(tokens, contexts, slots, run_sampling(params, seeds, [[], []], [[], []], [[], [stop]], steps,
                                                                                 VOCAB),
                                steps)  # fmt: skip
     assert torch.equal(got, free_tokens[: first + 1])
@@ -181,12 +196,12 @@ def test_an_interrupt_ends_a_run_after_its_current_step(model):
     contexts, steps = [30], 6
     slots, num_slots = sequences(contexts, 0, steps, seed=4)
     params, seeds = [SamplingParams(temperature=0)], [0]
-    want, _ = step_by_step(deterministic_runner(model, num_slots), [9], contexts, slots, params, seeds, [[]], steps)
+    want, *_ = step_by_step(deterministic_runner(model, num_slots), [9], contexts, slots, params, seeds, [[]], steps)
     runner = deterministic_runner(model, num_slots)
     sampling = run_sampling(params, seeds, [[]], [[]], [[]], steps, VOCAB)
-    got, _ = runner.decode_run([9], contexts, slots, sampling, steps, ctypes.c_int32(1))
+    got, *_ = runner.decode_run([9], contexts, slots, sampling, steps, ctypes.c_int32(1))
     assert torch.equal(got, want[:1])
-    rest, _ = runner.decode_run([int(got[0, 0])], [contexts[0] + 1], slots,
+    rest, *_ = runner.decode_run([int(got[0, 0])], [contexts[0] + 1], slots,
                                 run_sampling(params, seeds, [[]], [[int(got[0, 0])]], [[]], steps - 1, VOCAB), steps - 1,
                                 ctypes.c_int32(0))  # fmt: skip
     assert torch.equal(torch.cat([got, rest]), want)
@@ -198,10 +213,10 @@ def test_a_run_continues_a_request_from_its_output_count(model):
     contexts, steps = [64], 5
     slots, num_slots = sequences(contexts, 0, steps, seed=2)
     params, seeds = [SamplingParams(temperature=1.0, seed=9, frequency_penalty=0.4)], [9]
-    want, _ = step_by_step(deterministic_runner(model, num_slots), [4], contexts, slots, params, seeds, [[]], steps)
+    want, *_ = step_by_step(deterministic_runner(model, num_slots), [4], contexts, slots, params, seeds, [[]], steps)
     runner = deterministic_runner(model, num_slots)
-    first, _ = runner.decode_run([4], contexts, slots, run_sampling(params, seeds, [[]], [[]], [[]], 3, VOCAB), 3)
-    rest, _ = runner.decode_run([int(first[-1, 0])], [contexts[0] + 3], slots,
+    first, *_ = runner.decode_run([4], contexts, slots, run_sampling(params, seeds, [[]], [[]], [[]], 3, VOCAB), 3)
+    rest, *_ = runner.decode_run([int(first[-1, 0])], [contexts[0] + 3], slots,
                                 run_sampling(params, seeds, [[]], [first[:, 0].tolist()], [[]], 2, VOCAB), 2)
     assert torch.equal(torch.cat([first, rest]), want)
 
@@ -239,11 +254,11 @@ class RunSpy:
         self.runs, self.steps = 0, 0
         real = ModelRunner.decode_run
 
-        def counted(runner: ModelRunner, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            tokens, logprobs = real(runner, *args)
+        def counted(runner: ModelRunner, *args: Any) -> cpu.RunOutput:
+            out = real(runner, *args)
             self.runs += 1
-            self.steps += tokens.shape[0]
-            return tokens, logprobs
+            self.steps += out.tokens.shape[0]
+            return out
 
         monkeypatch.setattr(ModelRunner, "decode_run", counted)
 
@@ -258,6 +273,10 @@ REQUESTS = [
     ("once upon a time", {"temperature": 0, "max_new_tokens": 30, "repetition_penalty": 1.5, "ignore_eos": True}),
     ("the quick brown fox", {"temperature": 0.8, "seed": 6, "max_new_tokens": 30, "frequency_penalty": 0.7,
                              "presence_penalty": 0.5, "return_logprob": True}),
+    ("a story about", {"temperature": 0, "max_new_tokens": 20, "top_logprobs_num": 3, "return_logprob": True,
+                       "ignore_eos": True}),
+    ("once upon a time", {"temperature": 1.1, "seed": 7, "max_new_tokens": 24, "top_logprobs_num": 7,
+                          "return_logprob": True, "repetition_penalty": 1.2}),
 ]
 
 
@@ -293,7 +312,9 @@ def test_the_runtime_gives_the_same_outputs_with_and_without_decode_runs(loaded,
             assert got["text"] == want["text"]
             assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
             assert got["meta_info"].get("output_token_logprobs") == want["meta_info"].get("output_token_logprobs")
+            assert got["meta_info"].get("output_top_logprobs") == want["meta_info"].get("output_top_logprobs")
     assert spy.steps > 2 * spy.runs, "runs of several steps"
+    assert all(len(top) == 7 for top in results[-1]["meta_info"]["output_top_logprobs"]), "each row its own count"
 
 
 def test_streams_carry_the_same_text_a_run_at_a_time(loaded, monkeypatch):
@@ -305,13 +326,6 @@ def test_streams_carry_the_same_text_a_run_at_a_time(loaded, monkeypatch):
         assert "".join(c["text"] for c in chunks) == "".join(c["text"] for c in reference)
         assert [i for c in chunks for i in c["output_ids"]] == [i for c in reference for i in c["output_ids"]]
     assert sum(map(len, got)) < sum(map(len, want)), "the tokens of a run arrive together"
-
-
-def test_top_logprobs_decode_step_by_step(loaded, monkeypatch):
-    spy = RunSpy(monkeypatch)
-    serve(loaded, [("the quick", {"temperature": 0, "max_new_tokens": 12, "top_logprobs_num": 2,
-                                  "return_logprob": True})])  # fmt: skip
-    assert spy.runs == 0
 
 
 def test_decode_steps_must_be_a_positive_integer(loaded):
@@ -329,12 +343,12 @@ def test_a_post_during_a_run_ends_it_after_its_step_and_changes_nothing(loaded, 
     runs: list[int] = []
     with Runtime(loaded, check_invariants=True, max_total_tokens=2048, decode_steps=8) as runtime:
 
-        def posting_first(runner: ModelRunner, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def posting_first(runner: ModelRunner, *args: Any) -> cpu.RunOutput:
             if not runs:
                 runtime.abort("no-such-request")
-            tokens, logprobs = real(runner, *args)
-            runs.append(tokens.shape[0])
-            return tokens, logprobs
+            out = real(runner, *args)
+            runs.append(out.tokens.shape[0])
+            return out
 
         monkeypatch.setattr(ModelRunner, "decode_run", posting_first)
 

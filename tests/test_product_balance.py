@@ -159,7 +159,7 @@ def test_a_run_gives_the_same_tokens_however_its_products_are_divided(headed_mod
             kernel.balance.set_shares(shares)
         runner = deterministic_runner(headed_model, num_slots)
         sampling = run_sampling(params, [0, 5, 0, 6], [[1, 2, 3]] * 4, [[]] * 4, [[]] * 4, steps, VOCAB)
-        tokens, logprobs = runner.decode_run([7, 8, 9, 10], [c - 1 for c in contexts], slots, sampling, steps)
+        tokens, logprobs, _, _ = runner.decode_run([7, 8, 9, 10], [c - 1 for c in contexts], slots, sampling, steps)
         results.append((tokens, logprobs, [pool.clone() for pool in runner.kv_cache.k]))
     (tokens, logprobs, k), (skewed_tokens, skewed_logprobs, skewed_k) = results
     assert torch.equal(tokens, skewed_tokens) and torch.equal(logprobs, skewed_logprobs)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixrt.sampling import SamplingParams
 from radixrt.kernels import cpu
@@ -376,3 +379,26 @@ def test_sampled_rows_draw_the_token_of_the_rule(vocab, scale):
             assert int(out.token_ids[row]) == expected, f"row {row}, C"
             assert int(on_torch[row]) == expected, f"row {row}, torch"
     assert compared >= 45
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=st.lists(st.integers(-3, 3), min_size=1, max_size=3000), k=st.integers(1, 20), shift=st.floats(-5, 5))
+def test_top_tokens_break_ties_by_token_in_torch_and_in_a_decode_run(values, k, shift):
+    """Rows full of equal values: the k largest, largest first, equal values in token order and
+    the lowest tokens among those equal to the last one kept, the same from `top_tokens` (the
+    sampler) and from `radixrt_top_row` (a decode run's C pass), bit for bit."""
+    row = torch.tensor(values, dtype=torch.float32)
+    k = min(k, row.numel())
+    got_values, got_tokens = sampler_module.top_tokens(row[None], k)
+    order = sorted(range(row.numel()), key=lambda j: (-values[j], j))[:k]
+    assert got_tokens[0].tolist() == order
+    assert got_values[0].tolist() == [float(values[j]) for j in order]
+    if cpu.decode_run() is None:
+        return  # no whole-step kernels on this CPU: runs never report top log-probs
+    library = cpu._load()
+    tokens, logprobs = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.float32)
+    library.radixrt_top_row.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
+                                        ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+    library.radixrt_top_row(row.data_ptr(), row.numel(), k, shift, tokens.data_ptr(), logprobs.data_ptr())
+    assert tokens.tolist() == order
+    assert torch.equal(logprobs, got_values[0] - torch.tensor(shift, dtype=torch.float32))

@@ -150,13 +150,18 @@ class Engine:
             [r.params for r in reqs], [r.seed for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
             [stop_token_ids(r.params, r.eos_token_ids) for r in reqs], num_steps, self._vocab_size,
         )  # fmt: skip
-        tokens, logprobs = self.runner.decode_run(
+        out = self.runner.decode_run(
             [r.fill_slice(r.num_computed, r.num_computed + 1)[0] for r in reqs], [r.num_computed for r in reqs],
             [r.slots[: r.num_computed + num_steps] for r in reqs], sampling, num_steps, self._interrupt,
         )  # fmt: skip
-        self.num_steps += tokens.shape[0]
-        self.num_computed_tokens += tokens.numel()
-        self.num_generated_tokens += self.scheduler.postprocess_run(batch, tokens.tolist(), logprobs.tolist())
+        top = None
+        if out.top_tokens is not None and out.top_logprobs is not None:
+            top = [[list(zip(row_tokens, row_logprobs)) for row_tokens, row_logprobs in zip(*step)]
+                   for step in zip(out.top_tokens.tolist(), out.top_logprobs.tolist())]  # fmt: skip
+        self.num_steps += out.tokens.shape[0]
+        self.num_computed_tokens += out.tokens.numel()
+        self.num_generated_tokens += self.scheduler.postprocess_run(batch, out.tokens.tolist(), out.logprobs.tolist(),
+                                                                    top)
         for req in reqs:
             _report(req)
         if self.config.check_invariants:

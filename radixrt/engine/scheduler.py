@@ -31,7 +31,6 @@ from radixrt.engine.cache_manager import CacheManager
 from radixrt.engine.logits import NextToken
 from radixrt.engine.policies import order_waiting
 from radixrt.engine.request import FinishReason, Request, RequestStatus
-from radixrt.sampling.sampler import runs_with
 
 
 @dataclass
@@ -153,29 +152,34 @@ class Scheduler:
         slots reserved for all of them.
 
         Only a steady batch runs: every request of it decoding, none waiting (a waiting request
-        is admitted step by step; one posted during a run ends it, `Engine.interrupt_run`), each
-        sampling as the run's C sampler does (`sampler.runs_with`); at most as many steps as the
-        request closest to its token limit may still take.
+        is admitted step by step; one posted during a run ends it, `Engine.interrupt_run`); at
+        most as many steps as the request closest to its token limit may still take.
         """
         if max_steps < 2 or self.waiting or batch.retracted or batch.admitted:
             return 1
-        if any(num != 1 for _, num in batch.items) or not all(runs_with(r.params) for r, _ in batch.items):
+        if any(num != 1 for _, num in batch.items):
             return 1
         steps = min(max_steps, *(r.remaining_new_tokens for r, _ in batch.items))
         if steps < 2 or not all(self.cache.reserve(r, steps) for r, _ in batch.items):
             return 1  # slots already reserved stay with their requests for the next steps
         return steps
 
-    def postprocess_run(self, batch: ScheduledBatch, tokens: list[list[int]], logprobs: list[list[float]]) -> int:
-        """Advance the requests of a decode run (`run_length`) by its steps: `tokens[s][i]`, of log-probability
-        `logprobs[s][i]`, was sampled for `batch.items[i]` in step s. A request that a token ends
-        (a stop token, a stop string, its limit) keeps nothing after it: the later steps' K/V
-        sit in slots it gives back. Returns how many tokens were appended."""
+    def postprocess_run(
+        self, batch: ScheduledBatch, tokens: list[list[int]], logprobs: list[list[float]],
+        top_logprobs: list[list[list[tuple[int, float]]]] | None = None,
+    ) -> int:
+        """Advance the requests of a decode run (`run_length`) by its steps: `tokens[s][i]`, of
+        log-probability `logprobs[s][i]`, was sampled for `batch.items[i]` in step s, with its
+        row's most likely tokens `top_logprobs[s][i]` (as many as any request asked for). A request
+        that a token ends (a stop token, a stop string, its limit) keeps nothing after it: the
+        later steps' K/V sit in slots it gives back. Returns how many tokens were appended."""
         appended = 0
         for i, (req, _) in enumerate(batch.items):
-            for step_tokens, step_logprobs in zip(tokens, logprobs):
+            wanted = req.params.top_logprobs_num
+            for s, (step_tokens, step_logprobs) in enumerate(zip(tokens, logprobs)):
                 req.num_computed += 1
-                req.append_token(step_tokens[i], step_logprobs[i])
+                top = top_logprobs[s][i][:wanted] if top_logprobs is not None and wanted else None
+                req.append_token(step_tokens[i], step_logprobs[i], top)
                 appended += 1
                 if req.finish_reason is not None:
                     self._finish(req)

@@ -131,9 +131,9 @@ class Int4DecodeStack:
         self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
         scale: float, final_norm: torch.Tensor, head: cpu.PackedWeight, rows: cpu.RunRows,
         sampling: cpu.RunSampling, num_steps: int, interrupt: ctypes.c_int32 | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> cpu.RunOutput:
         """Up to `num_steps` decode steps of `rows` in one call, each sampling the next tokens
-        (`cpu.DecodeRun`): (tokens, log-probabilities), [steps run, rows] each."""
+        (`cpu.DecodeRun`, `cpu.RunOutput`)."""
         assert self._run_kernel is not None  # built with the stack's own kernel
         k_pools, v_pools = self._pool_addresses(kv_cache)
         first = self._layers[0]

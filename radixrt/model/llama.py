@@ -489,13 +489,13 @@ class LlamaForCausalLM(nn.Module):
         self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[torch.Tensor],
         sampling: cpu.RunSampling, num_steps: int, backend: AttentionBackend[Any],
         interrupt: ctypes.c_int32 | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> cpu.RunOutput:
         """Up to `num_steps` deterministic decode steps in one call (check `runs_decodes` first):
         sequence i's last token `tokens[i]` at `positions[i]`, its slots `slots[i]` for positions
         0 .. positions[i] + num_steps - 1, sampled by `sampling` (`cpu.RunSampling`), stopping
-        early after a step that drew a stop token or saw `interrupt` set. Returns
-        (tokens, log-probabilities), [steps run, sequences] each: what as many `logits` steps
-        and `Sampler.sample` give, bit for bit."""
+        early after a step that drew a stop token or saw `interrupt` set. Returns the steps'
+        tokens, log-probabilities and (if asked) top log-probabilities (`cpu.RunOutput`): what as
+        many `logits` steps and `Sampler.sample` give, bit for bit."""
         assert self._stack is not None and isinstance(self._invariant_lm_head, linear.PackedLMHead)
         assert isinstance(backend, TorchAttentionBackend)
         (attention,) = self._attention_kinds

@@ -102,7 +102,7 @@ class ModelRunner:
     def decode_run(
         self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[torch.Tensor],
         sampling: cpu.RunSampling, num_steps: int, interrupt: ctypes.c_int32 | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> cpu.RunOutput:
         """Up to `num_steps` decode steps in one call, each sampling the next tokens (check
         `runs_decodes` first): see `LlamaForCausalLM.decode_run`. Each step writes K/V at the
         sequences' next slots, as `forward` does at `batch.out_slots`; a nonzero `interrupt`

@@ -115,20 +115,14 @@ class Sampler:
         return SampleOutput(token_ids, logprobs, _top_logprobs(logits, log_norm, params))
 
 
-def runs_with(params: SamplingParams) -> bool:
-    """Whether a decode run (`cpu.DecodeRun`) samples with these settings exactly as `Sampler.sample`
-    does: its C passes cover temperature, top-k, top-p, min-p and the penalties, not top log-probs."""
-    return not params.top_logprobs_num
-
-
 def run_sampling(
     params: Sequence[SamplingParams], seeds: Sequence[int], prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]], stop_ids: Sequence[Sequence[int]], num_steps: int, vocab_size: int,
 ) -> cpu.RunSampling:
-    """How a decode run samples each row (`runs_with` must hold): row i with `params[i]`, its
+    """How a decode run samples each row, as `Sampler.sample` does: row i with `params[i]`, its
     step s the request's output token `len(output_ids[i]) + s` (the draw `Sampler.sample` would
     make), penalties counted from its prompt and output so far, stopping the run at any of
-    `stop_ids[i]`."""
+    `stop_ids[i]`; every step reporting the most top log-probabilities any row asks for."""
     temperatures = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32)
     uniforms = torch.tensor([[uniform_for(seed, len(output) + step) for seed, output in zip(seeds, output_ids)]
                              for step in range(num_steps)], dtype=torch.float64)  # fmt: skip
@@ -147,7 +141,7 @@ def run_sampling(
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
         torch.tensor([p.min_p for p in params], dtype=torch.float32), uniforms,
         torch.tensor(stop_ptr, dtype=torch.int64), torch.tensor([i for ids in stop_ids for i in ids], dtype=torch.int64),
-        penalties,
+        penalties, max((p.top_logprobs_num for p in params), default=0),
     )
 
 
@@ -189,13 +183,25 @@ def _top_logprobs(
     if not any(wanted):
         return None
     rows = [i for i, k in enumerate(wanted) if k]
-    picked = _select(logits, rows)
-    values, tokens = picked.topk(max(wanted), dim=-1)
+    values, tokens = top_tokens(_select(logits, rows), max(wanted))
     logprobs = (values - _select(log_norm[:, None], rows)).tolist()
     top: list[list[tuple[int, float]]] = [[] for _ in params]
     for row, row_tokens, row_values in zip(rows, tokens.tolist(), logprobs):
         top[row] = list(zip(row_tokens, row_values))[: wanted[row]]
     return top
+
+
+def top_tokens(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest values and their tokens ([R, k] each): largest first, equal values in
+    token order, and of the values equal to the last one kept, the lowest tokens. torch's topk
+    leaves ties in no set order; this is the order a decode run reports (`radixrt_top_row`)."""
+    last = rows.topk(k, dim=-1).values[:, -1].tolist()
+    tokens = torch.empty(rows.shape[0], k, dtype=torch.int64, device=rows.device)
+    for i, (row, threshold) in enumerate(zip(rows, last)):
+        above = (row > threshold).nonzero().squeeze(1)
+        picked = torch.cat([above, (row == threshold).nonzero().squeeze(1)[: k - above.numel()]])
+        tokens[i] = picked[row[picked].sort(descending=True, stable=True).indices]
+    return rows.gather(1, tokens), tokens
 
 
 def _token_counts(

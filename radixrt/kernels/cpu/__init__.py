@@ -541,7 +541,8 @@ class RunSampling(NamedTuple):
     """How each row of a decode run picks its tokens: temperature 0 greedy (the first argmax), else
     a draw at `uniforms[s, r]` ([steps, B] float64) after its filters, as `RowSampler`, each after
     the row's penalties when there are any; the run stops after a step where row r drew one of
-    `stop_ids[stop_ptr[r]:stop_ptr[r + 1]]`."""
+    `stop_ids[stop_ptr[r]:stop_ptr[r + 1]]`. Each step also reports every row's `top_logprobs`
+    most likely tokens (0: none)."""
 
     temperatures: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64
@@ -551,6 +552,19 @@ class RunSampling(NamedTuple):
     stop_ptr: torch.Tensor  # [B + 1] int64
     stop_ids: torch.Tensor  # int64
     penalties: RunPenalties | None = None
+    top_logprobs: int = 0
+
+
+class RunOutput(NamedTuple):
+    """What a decode run's n steps give: each step's token of each row and its log-probability
+    at temperature 1 ([n, B]), and with `RunSampling.top_logprobs` = k > 0 each row's k most
+    likely tokens and their log-probabilities ([n, B, k], largest first, equal values in token
+    order: `sampler.top_tokens`'s rule), else None."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    top_tokens: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 class DecodeRun:
@@ -570,7 +584,8 @@ class DecodeRun:
             pointer, pointer, pointer, pointer, pointer,  # temperatures, top_k, top_p, min_p, uniforms
             pointer, pointer, pointer, pointer, pointer,  # repetition, frequency, presence, seen, output counts
             pointer, pointer, pointer, i32, pointer,  # stop ptr, stop ids, interrupt, steps, tokens
-            pointer, pointer, i32,  # logprobs, balance, threads
+            pointer, i32, pointer, pointer,  # logprobs, top count, top tokens, top logprobs
+            pointer, i32,  # balance, threads
         ]
         self._fn.restype = i32
         self.balance = ProductBalance(library)
@@ -580,13 +595,13 @@ class DecodeRun:
         num_slots: int, eps: float, heads: tuple[int, int, int], intermediate: int, scale: float,
         rope_tables: tuple[torch.Tensor, torch.Tensor], final_norm: torch.Tensor, head: PackedWeight,
         rows: RunRows, sampling: RunSampling, num_steps: int, interrupt: ctypes.c_int32 | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [n, B] int64, log-probabilities [n, B] float32 at temperature 1) of the n <=
-        `num_steps` steps run: n stops at the first step where a row drew a stop token, or
-        where `interrupt` (set from any thread) was nonzero. The model as `DecodeStack` takes
-        it; each step's K/V go to the rows' next slots. Raises IndexError, computing nothing,
+    ) -> RunOutput:
+        """The n <= `num_steps` steps run (`RunOutput`): n stops at the first step where a row
+        drew a stop token, or where `interrupt` (set from any thread) was nonzero. The model as
+        `DecodeStack` takes it; each step's K/V go to the rows' next slots. Raises IndexError, computing nothing,
         for a slot outside the pools, a token id outside the embedding or a position outside
-        the tables; ValueError for penalty counts not [B, head rows] int32 and contiguous."""
+        the tables; ValueError for penalty counts not [B, head rows] int32 and contiguous, or
+        top_logprobs outside 0 .. head rows."""
         num_q_heads, num_kv_heads, head_dim = heads
         cos, signed_sin = rope_tables
         batch = rows.first_tokens.shape[0]
@@ -595,8 +610,13 @@ class DecodeRun:
             if counts.shape != (batch, head.num_rows) or counts.dtype != torch.int32 or not counts.is_contiguous():
                 raise ValueError(f"penalty counts must be [{batch}, {head.num_rows}] int32 and contiguous, "
                                  f"got {tuple(counts.shape)} {counts.dtype}")
+        if not 0 <= sampling.top_logprobs <= head.num_rows:
+            raise ValueError(f"top_logprobs must be in [0, {head.num_rows}], got {sampling.top_logprobs}")
         tokens = torch.empty(num_steps, batch, dtype=torch.int64)
         logprobs = torch.empty(num_steps, batch, dtype=torch.float32)
+        top = sampling.top_logprobs
+        top_tokens = torch.empty(num_steps, batch, top, dtype=torch.int64) if top else None
+        top_logprobs = torch.empty(num_steps, batch, top, dtype=torch.float32) if top else None
         done = self._fn(
             embedding.data_ptr(), embedding.shape[0], embedding.shape[1], layer_weights.shape[0],
             layer_weights.data_ptr(), k_pools.data_ptr(), v_pools.data_ptr(), num_slots, eps, num_q_heads,
@@ -609,11 +629,13 @@ class DecodeRun:
             *([None] * 5 if penalties is None else [tensor.data_ptr() for tensor in penalties]),
             sampling.stop_ptr.data_ptr(), sampling.stop_ids.data_ptr(),
             None if interrupt is None else ctypes.addressof(interrupt), num_steps, tokens.data_ptr(),
-            logprobs.data_ptr(), self.balance.pointer, _threads(),
+            logprobs.data_ptr(), top, None if top_tokens is None else top_tokens.data_ptr(),
+            None if top_logprobs is None else top_logprobs.data_ptr(), self.balance.pointer, _threads(),
         )  # fmt: skip
         if done < 0:
             _raise_for_stack_status(done, "decode run", num_slots, embedding.shape[0], cos.shape[0], heads)
-        return tokens[:done], logprobs[:done]
+        return RunOutput(tokens[:done], logprobs[:done], None if top_tokens is None else top_tokens[:done],
+                         None if top_logprobs is None else top_logprobs[:done])
 
 
 def _raise_for_stack_status(

@@ -101,7 +101,9 @@ static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positio
  * draws tokens); row r stops the run at a token among stop_ids[stop_ptr[r] ..
  * stop_ptr[r + 1]), and any step stops it while *interrupt (when not NULL) is nonzero: the caller
  * has something to do between steps (a new request). tokens, logprobs: [num_steps, rows], step
- * s's token of row r and its log-probability at temperature 1. balance: the caller's
+ * s's token of row r and its log-probability at temperature 1; with top_count > 0, top_tokens and
+ * top_logprobs [num_steps, rows, top_count]: each step's most likely tokens of each row and their
+ * log-probabilities (radixrt_top_row, after the penalties). balance: the caller's
  * ProductBalance (product_balance.c), learnt on across calls, or NULL.
  * Returns the steps run (1 .. num_steps: after the first stop token), or before computing
  * anything -1 for a shape the kernels do not take, -2 without memory, -3 for a slot outside the
@@ -117,7 +119,8 @@ int radixrt_int4_decode_run_bf16(
     const float *temperatures, const int64_t *top_k, const float *top_p, const float *min_p, const double *uniforms,
     const float *repetition, const float *frequency, const float *presence, int32_t *seen, int32_t *output_counts,
     const int64_t *stop_ptr, const int64_t *stop_ids, const atomic_int *interrupt, int num_steps, int64_t *tokens,
-    float *logprobs, ProductBalance *balance, int num_threads
+    float *logprobs, int top_count, int64_t *top_tokens, float *top_logprobs, ProductBalance *balance,
+    int num_threads
 ) {
     const StackModel model = {
         embedding, vocab, dim, num_layers, layer_weights, k_pools, v_pools, num_slots, eps, scale, num_q_heads,
@@ -125,7 +128,7 @@ int radixrt_int4_decode_run_bf16(
         balance,
     };
     if (radixrt_stack_model_check(&model) || head == NULL || head_rows > vocab || rows < 1 || num_steps < 1 ||
-        chunk < 1)
+        chunk < 1 || top_count < 0 || top_count > head_rows)
         return -1;
     int64_t last_position = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -200,6 +203,10 @@ int radixrt_int4_decode_run_bf16(
                     int64_t token;
                     float maximum, lse;
                     radixrt_row_stats_row(x, head_rows, &token, &maximum, &lse);
+                    if (top_count > 0) {
+                        const int64_t at = (s * rows + r) * top_count;
+                        radixrt_top_row(x, head_rows, top_count, lse, top_tokens + at, top_logprobs + at);
+                    }
                     if (temperatures[r] > 0.0f)
                         token = radixrt_sample_row(x, head_rows, maximum, temperatures[r], top_k[r], top_p[r],
                                                    min_p[r], uniforms[s * rows + r], weights, block_sums);

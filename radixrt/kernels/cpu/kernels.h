@@ -139,6 +139,9 @@ uint64_t radixrt_ticks(void);
 
 /* row_stats.c: one float32 row's first argmax, largest value and log-sum-exp */
 void radixrt_row_stats_row(const float *x, int64_t cols, int64_t *argmax, float *maximum, float *lse);
+/* row_stats.c: one float32 row's `count` largest values (largest first, ties in token order) as
+ * tokens and values minus `shift`; count <= cols */
+void radixrt_top_row(const float *x, int64_t cols, int count, float shift, int64_t *tokens, float *values);
 
 /*
  * sample_rows.c: one float32 row's token drawn at `uniform` from softmax(x / temperature) after

@@ -51,3 +51,33 @@ void radixrt_row_stats(const float *logits, int64_t rows, int64_t cols, int64_t 
     for (int64_t r = 0; r < rows; r++)
         radixrt_row_stats_row(logits + r * row_stride, cols, argmax + r, maximum + r, lse + r);
 }
+
+/*
+ * One row's `count` largest values, largest first, equal values in token order, and among
+ * values equal to the last one kept the lowest tokens: tokens[i] and values[i] = x - shift
+ * (a log-probability with shift the row's log-sum-exp). What the sampler's top log-probabilities
+ * report (`sampler.top_tokens`, the same rule in torch). A block whose largest value cannot
+ * enter the list is skipped after one vectorized pass.
+ */
+void radixrt_top_row(const float *x, int64_t cols, int count, float shift, int64_t *tokens, float *values) {
+    int kept = 0;
+    for (int64_t start = 0; start < cols; start += BLOCK) {
+        const int64_t end = start + BLOCK < cols ? start + BLOCK : cols;
+        float block_max = -INFINITY;
+        #pragma omp simd reduction(max:block_max)
+        for (int64_t i = start; i < end; i++) block_max = x[i] > block_max ? x[i] : block_max;
+        if (kept == count && !(block_max > values[count - 1])) continue;
+        for (int64_t i = start; i < end; i++) {
+            if (kept == count && !(x[i] > values[count - 1])) continue;
+            int at = kept < count ? kept++ : count - 1;  /* the last place, or the first free one */
+            while (at > 0 && x[i] > values[at - 1]) {  /* strictly larger: equal values keep token order */
+                values[at] = values[at - 1];
+                tokens[at] = tokens[at - 1];
+                at--;
+            }
+            values[at] = x[i];
+            tokens[at] = i;
+        }
+    }
+    for (int i = 0; i < kept; i++) values[i] -= shift;
+}
