@@ -402,3 +402,13 @@ def test_top_tokens_break_ties_by_token_in_torch_and_in_a_decode_run(values, k, 
     library.radixrt_top_row(row.data_ptr(), row.numel(), k, shift, tokens.data_ptr(), logprobs.data_ptr())
     assert tokens.tolist() == order
     assert torch.equal(logprobs, got_values[0] - torch.tensor(shift, dtype=torch.float32))
+
+
+@settings(max_examples=50, deadline=None)
+@given(values=st.lists(st.floats(-30, 30, width=32), min_size=1, max_size=500, unique=True), k=st.integers(1, 20))
+def test_top_tokens_of_distinct_values_are_torch_topk(values, k):
+    row = torch.tensor(values, dtype=torch.float32)
+    k = min(k, row.numel())
+    got_values, got_tokens = sampler_module.top_tokens(row[None], k)
+    want_values, want_tokens = row.topk(k)
+    assert torch.equal(got_tokens[0], want_tokens) and torch.equal(got_values[0], want_values)

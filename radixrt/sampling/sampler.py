@@ -194,14 +194,19 @@ def _top_logprobs(
 def top_tokens(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k largest values and their tokens ([R, k] each): largest first, equal values in
     token order, and of the values equal to the last one kept, the lowest tokens. torch's topk
-    leaves ties in no set order; this is the order a decode run reports (`radixrt_top_row`)."""
-    last = rows.topk(k, dim=-1).values[:, -1].tolist()
-    tokens = torch.empty(rows.shape[0], k, dtype=torch.int64, device=rows.device)
-    for i, (row, threshold) in enumerate(zip(rows, last)):
+    leaves ties in no set order; this is the order a decode run reports (`radixrt_top_row`).
+    Only a row with equal values among its k + 1 largest is ordered again, one row at a time."""
+    wider = min(k + 1, rows.shape[-1])
+    values, tokens = rows.topk(wider, dim=-1)
+    tied = (values[:, 1:] == values[:, :-1]).any(dim=1).tolist()
+    values, tokens = values[:, :k].clone(), tokens[:, :k].clone()
+    for i in (i for i, has_ties in enumerate(tied) if has_ties):
+        row, threshold = rows[i], values[i, -1]
         above = (row > threshold).nonzero().squeeze(1)
         picked = torch.cat([above, (row == threshold).nonzero().squeeze(1)[: k - above.numel()]])
         tokens[i] = picked[row[picked].sort(descending=True, stable=True).indices]
-    return rows.gather(1, tokens), tokens
+        values[i] = row[tokens[i]]
+    return values, tokens
 
 
 def _token_counts(
