@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from radixrt.engine.scheduler import Scheduler
 from radixrt.kernels import cpu
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.loader import LoadedModel
@@ -315,6 +316,27 @@ def test_the_runtime_gives_the_same_outputs_with_and_without_decode_runs(loaded,
             assert got["meta_info"].get("output_top_logprobs") == want["meta_info"].get("output_top_logprobs")
     assert spy.steps > 2 * spy.runs, "runs of several steps"
     assert all(len(top) == 7 for top in results[-1]["meta_info"]["output_top_logprobs"]), "each row its own count"
+
+
+def test_requests_waiting_for_a_running_place_change_no_output(loaded, monkeypatch):
+    """With two running places for nine requests, runs go on while the others wait (each ends at
+    a request's stop token or limit, and the next is admitted): the outputs of step by step."""
+    want = serve(loaded, REQUESTS, decode_steps=1, max_running_requests=2)
+    real, waited = Scheduler.run_length, []
+
+    def noting_waits(scheduler: Scheduler, *args: Any) -> int:
+        steps = real(scheduler, *args)
+        if steps > 1 and scheduler.waiting:
+            waited.append(steps)
+        return steps
+
+    monkeypatch.setattr(Scheduler, "run_length", noting_waits)
+    got = serve(loaded, REQUESTS, decode_steps=8, max_running_requests=2)
+    assert waited, "runs while requests waited"
+    for result, reference in zip(got, want):
+        assert result["output_ids"] == reference["output_ids"]
+        assert result["meta_info"]["finish_reason"] == reference["meta_info"]["finish_reason"]
+        assert result["meta_info"].get("output_top_logprobs") == reference["meta_info"].get("output_top_logprobs")
 
 
 def test_streams_carry_the_same_text_a_run_at_a_time(loaded, monkeypatch):

@@ -211,3 +211,40 @@ def test_abort_by_group_id_ends_every_sample_of_a_prompt():
     assert set(scheduler.abort("job", "stop")) == set(samples)
     assert list(scheduler.requests()) == [other]
     scheduler.check_invariants()
+
+
+def decoding_batch(scheduler: Scheduler) -> ScheduledBatch:
+    """Step until the next batch is decodes only (the prompts computed), and return it unrun."""
+    while True:
+        batch = scheduler.schedule()
+        if batch.items and all(num == 1 for _, num in batch.items) and not batch.admitted:
+            return batch
+        scheduler.postprocess(batch, sevens(batch))
+
+
+def test_a_steady_batch_runs_up_to_the_limit_closest_to_its_end():
+    scheduler = make_scheduler()
+    for tokens, limit in (([1, 2, 3], 20), ([4, 5, 6], 6)):
+        scheduler.add(request(tokens, max_new_tokens=limit))
+    batch = decoding_batch(scheduler)
+    assert scheduler.run_length(batch, 8) == 5, "the second request has 5 tokens left"
+    assert scheduler.run_length(batch, 1) == 1
+
+
+def test_requests_waiting_for_a_running_place_do_not_stop_a_run_but_waiting_for_memory_does():
+    """At `max_running_requests` only a request's end admits the next one, which a run stops at;
+    a request waiting for memory may fit after any step, so the batch steps one at a time."""
+    scheduler = make_scheduler(max_running_requests=2)
+    for tokens in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        scheduler.add(request(tokens, max_new_tokens=20))
+    batch = decoding_batch(scheduler)
+    assert len(scheduler.waiting) == 1 and len(scheduler.running) == 2
+    assert scheduler.run_length(batch, 8) == 8
+    scheduler.check_invariants()
+
+    scheduler = make_scheduler(num_tokens=64)
+    for tokens in ([1] * 20, [2] * 20, [3] * 20):
+        scheduler.add(request(tokens, max_new_tokens=20))
+    batch = decoding_batch(scheduler)
+    assert scheduler.waiting and len(scheduler.running) < scheduler.config.max_running_requests
+    assert scheduler.run_length(batch, 8) == 1

@@ -151,11 +151,17 @@ class Scheduler:
         """How many decode steps `batch` runs back to back in one call (1: this step alone), with
         slots reserved for all of them.
 
-        Only a steady batch runs: every request of it decoding, none waiting (a waiting request
-        is admitted step by step; one posted during a run ends it, `Engine.interrupt_run`); at
-        most as many steps as the request closest to its token limit may still take.
+        Only a steady batch runs: every request of it decoding, and none waiting unless the
+        running requests are at `max_running_requests` (then only a request's end lets one in,
+        and a run ends at the step where a request draws a stop token or reaches its limit; one
+        ended by a stop string lets it in after the run). Requests waiting for memory or the
+        prefill budget are admitted step by step (a decode frees reserved room as it goes), and
+        a request posted during a run ends it (`Engine.interrupt_run`). At most as many steps as
+        the request closest to its token limit may still take.
         """
-        if max_steps < 2 or self.waiting or batch.retracted or batch.admitted:
+        if max_steps < 2 or batch.retracted or batch.admitted:
+            return 1
+        if self.waiting and len(self.running) < self.config.max_running_requests:
             return 1
         if any(num != 1 for _, num in batch.items):
             return 1
