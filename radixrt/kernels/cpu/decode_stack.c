@@ -209,9 +209,9 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
     team_barrier(team);
     const int with_head = step->num_logit_rows > 0;
     const Product head = {PRODUCT_HEAD, with_head ? m->head : NULL, m->head_bits, m->head_rows, dim};
-    Product first[4];
-    layer_products(m, m->layer_weights, first);
-    Prefetch pending = share_of(team, m, first[0]);
+    Product first[4] = {head};
+    if (m->num_layers > 0) layer_products(m, m->layer_weights, first);
+    Prefetch pending = first[0].weight != NULL ? share_of(team, m, first[0]) : (Prefetch){NULL, NULL};
     for (int i = 0; i < m->num_layers; i++) {
         const int64_t *weights = m->layer_weights + i * LAYER_WEIGHTS;
         Product next[4] = {head};
