@@ -18,6 +18,14 @@
 
 #define BLOCK 1024
 
+/* The largest of x[start .. end) (-inf for none), one vectorized pass. */
+static inline float block_maximum(const float *x, int64_t start, int64_t end) {
+    float block_max = -INFINITY;
+    #pragma omp simd reduction(max:block_max)
+    for (int64_t i = start; i < end; i++) block_max = x[i] > block_max ? x[i] : block_max;
+    return block_max;
+}
+
 /* One row: its first argmax, largest value and log-sum-exp. Not inlined, so that every caller
  * (the batched entry below, a decode run) gets the same vectorized reductions, bit for bit. */
 __attribute__((noinline)) void radixrt_row_stats_row(const float *x, int64_t cols, int64_t *argmax, float *maximum,
@@ -26,10 +34,7 @@ __attribute__((noinline)) void radixrt_row_stats_row(const float *x, int64_t col
     float m = -INFINITY;
     int64_t best = 0;
     for (int64_t start = 0; start < cols; start += BLOCK) {
-        const int64_t end = start + BLOCK < cols ? start + BLOCK : cols;
-        float block_max = -INFINITY;
-        #pragma omp simd reduction(max:block_max)
-        for (int64_t i = start; i < end; i++) block_max = x[i] > block_max ? x[i] : block_max;
+        const float block_max = block_maximum(x, start, start + BLOCK < cols ? start + BLOCK : cols);
         if (block_max > m) {
             m = block_max;
             best = start;
@@ -63,10 +68,7 @@ void radixrt_top_row(const float *x, int64_t cols, int count, float shift, int64
     int kept = 0;
     for (int64_t start = 0; start < cols; start += BLOCK) {
         const int64_t end = start + BLOCK < cols ? start + BLOCK : cols;
-        float block_max = -INFINITY;
-        #pragma omp simd reduction(max:block_max)
-        for (int64_t i = start; i < end; i++) block_max = x[i] > block_max ? x[i] : block_max;
-        if (kept == count && !(block_max > values[count - 1])) continue;
+        if (kept == count && !(block_maximum(x, start, end) > values[count - 1])) continue;
         for (int64_t i = start; i < end; i++) {
             if (kept == count && !(x[i] > values[count - 1])) continue;
             int at = kept < count ? kept++ : count - 1;  /* the last place, or the first free one */
