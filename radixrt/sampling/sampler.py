@@ -21,7 +21,6 @@ import math
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 
@@ -148,14 +147,8 @@ def run_sampling(
 def _dense_token_counts(histories: Sequence[Sequence[Sequence[int]]], vocab_size: int) -> torch.Tensor:
     """How often each token is in each history (one or more token lists): [N, vocab_size] int32."""
     counts = torch.zeros(len(histories), vocab_size, dtype=torch.int32)
-    for row, lists in zip(counts, histories):
-        for tokens in lists:
-            if not len(tokens):
-                continue
-            ids = _as_tensor(tokens)
-            if not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
-                raise ValueError(f"token ids in prompt_ids and output_ids must be in [0, {vocab_size})")
-            row.index_add_(0, ids, torch.ones(1, dtype=torch.int32).expand(ids.numel()))
+    rows, tokens, found = _token_counts(range(len(histories)), histories, vocab_size, counts.device)
+    counts[rows, tokens] = found.to(torch.int32)
     return counts
 
 
@@ -210,11 +203,12 @@ def top_tokens(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _token_counts(
-    rows: Sequence[int], histories: Sequence[tuple[Sequence[int], ...]], vocab_size: int, device: torch.device
+    rows: Sequence[int], histories: Sequence[Sequence[Sequence[int]]], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(batch row, token, count) for each distinct token in each row's token lists."""
     lengths = torch.tensor([sum(map(len, lists)) for lists in histories], dtype=torch.int64)
-    tokens = torch.tensor(list(chain.from_iterable(chain.from_iterable(histories))), dtype=torch.int64)
+    parts = [_as_tensor(tokens) for lists in histories for tokens in lists if len(tokens)]
+    tokens = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
     if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
         raise ValueError(f"token ids in prompt_ids and output_ids must be in [0, {vocab_size})")
     row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
