@@ -80,10 +80,10 @@ def step_by_step(runner: ModelRunner, tokens, positions, slots, params, seeds, s
 
 def run_tops(out: cpu.RunOutput, params: list[SamplingParams]) -> list[list[list[tuple[int, float]]] | None]:
     """A run's top log-probabilities as the sampler lists them: each row its own count."""
-    if out.top_tokens is None or out.top_logprobs is None:
+    steps = out.top_lists()
+    if steps is None:
         return [None] * out.tokens.shape[0]
-    return [[list(zip(t, v))[: p.top_logprobs_num] for t, v, p in zip(step_tokens, step_values, params)]
-            for step_tokens, step_values in zip(out.top_tokens.tolist(), out.top_logprobs.tolist())]  # fmt: skip
+    return [[top[: p.top_logprobs_num] for top, p in zip(step, params)] for step in steps]
 
 
 MIXED = [

@@ -3,8 +3,8 @@
     Scheduler.schedule ─► ForwardBatch ─► ModelRunner.forward (logit rows of the LogitPlan)
         ─► LogitPlan: prompt log-probs, Sampler ─► Scheduler.postprocess ─► Request.take_output
 
-When the batch is steady (every request decoding, none waiting) and the
-runner can, a step is a decode run instead: `decode_steps` steps in one call
+When the batch is steady (every request decoding, none waiting but for a
+running place) and the runner can, a step is a decode run instead: `decode_steps` steps in one call
 of the C kernels, sampling included (`Scheduler.run_length`), then
 `Scheduler.postprocess_run` appends each request's tokens as single steps would.
 
@@ -154,14 +154,10 @@ class Engine:
             [r.fill_slice(r.num_computed, r.num_computed + 1)[0] for r in reqs], [r.num_computed for r in reqs],
             [r.slots[: r.num_computed + num_steps] for r in reqs], sampling, num_steps, self._interrupt,
         )  # fmt: skip
-        top = None
-        if out.top_tokens is not None and out.top_logprobs is not None:
-            top = [[list(zip(row_tokens, row_logprobs)) for row_tokens, row_logprobs in zip(*step)]
-                   for step in zip(out.top_tokens.tolist(), out.top_logprobs.tolist())]  # fmt: skip
         self.num_steps += out.tokens.shape[0]
         self.num_computed_tokens += out.tokens.numel()
         self.num_generated_tokens += self.scheduler.postprocess_run(batch, out.tokens.tolist(), out.logprobs.tolist(),
-                                                                    top)
+                                                                    out.top_lists())
         for req in reqs:
             _report(req)
         if self.config.check_invariants:

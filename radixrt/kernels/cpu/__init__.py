@@ -566,6 +566,13 @@ class RunOutput(NamedTuple):
     top_tokens: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
 
+    def top_lists(self) -> list[list[list[tuple[int, float]]]] | None:
+        """The top log-probabilities as the sampler lists them, [step][row] -> [(token, logprob)]."""
+        if self.top_tokens is None or self.top_logprobs is None:
+            return None
+        return [[list(zip(row_tokens, row_logprobs)) for row_tokens, row_logprobs in zip(*step)]
+                for step in zip(self.top_tokens.tolist(), self.top_logprobs.tolist())]  # fmt: skip
+
 
 class DecodeRun:
     """`decode_run.c`: up to k decode steps of a plain Llama model on `pack_int4`ed weights in one
@@ -598,10 +605,10 @@ class DecodeRun:
     ) -> RunOutput:
         """The n <= `num_steps` steps run (`RunOutput`): n stops at the first step where a row
         drew a stop token, or where `interrupt` (set from any thread) was nonzero. The model as
-        `DecodeStack` takes it; each step's K/V go to the rows' next slots. Raises IndexError, computing nothing,
-        for a slot outside the pools, a token id outside the embedding or a position outside
-        the tables; ValueError for penalty counts not [B, head rows] int32 and contiguous, or
-        top_logprobs outside 0 .. head rows."""
+        `DecodeStack` takes it; each step's K/V go to the rows' next slots. Raises IndexError,
+        computing nothing, for a slot outside the pools, a token id outside the embedding or a
+        position outside the tables; ValueError for penalty counts not [B, head rows] int32 and
+        contiguous, or top_logprobs outside 0 .. head rows."""
         num_q_heads, num_kv_heads, head_dim = heads
         cos, signed_sin = rope_tables
         batch = rows.first_tokens.shape[0]
