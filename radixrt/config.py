@@ -52,9 +52,9 @@ class RuntimeConfig:
         ValueError at construction. "auto" (the default) is True where they
         serve it (it costs nothing measurable there) and False elsewhere.
     check_invariants: check tree, pool and request bookkeeping after every step (tests).
-    decode_steps: when every running request is decoding, none is waiting and
-        none asks for top log-probabilities, run up to this many decode
-        steps in one call of radixrt's C kernels (deterministic native 4-bit
+    decode_steps: when every running request is decoding and none is waiting
+        (or those waiting wait for a running place), run up to this many
+        decode steps in one call of radixrt's C kernels (deterministic native 4-bit
         steps; elsewhere one step a call): no scheduling, sampling in Python
         or bookkeeping between them. Outputs are the same bits as step by
         step; streamed tokens arrive that many at a time. A request (or an

@@ -6,13 +6,13 @@
  * which the model's call 2.43: the rest was scheduling, building the batch,
  * sampling and bookkeeping, slowed by Python's working set coming back from
  * memory after each step streamed ~96 MB of weights through the caches. When
- * nothing is waiting to be admitted and no request of the batch wants what
- * only the Python sampler computes (top log-probabilities), the engine hands
- * k steps to this call:
+ * every request of the batch is decoding and nothing waiting could be admitted
+ * meanwhile (`Scheduler.run_length`), the engine hands k steps to this call:
  *
  *   step s:  tokens (the caller's, then the ones step s - 1 sampled)
  *            -> radixrt_stack_step at positions p + s, K/V into the rows' next slots
- *            -> per row: penalties, row stats, then its token (argmax, or drawn at uniforms[s])
+ *            -> per row: penalties, row stats, its top tokens if asked, then its token
+ *               (argmax, or drawn at uniforms[s])
  *            -> stop after this step when a row drew one of its stop tokens or the
  *               caller raised its interrupt flag
  *

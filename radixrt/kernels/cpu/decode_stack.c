@@ -92,17 +92,15 @@ static void layer_products(const StackModel *m, const int64_t *weights, Product 
 }
 
 /*
- * One layer, ending with `pending` set to this thread's share of `next` (the next layer's qkv,
- * or the head), which it then requests while it waits; at each barrier before a product the
- * thread requests its share of that product.
+ * One layer (its `products`, as layer_products lists them), ending with `pending` set to this
+ * thread's share of `next` (the next layer's qkv, or the head), which it then requests while it
+ * waits; at each barrier before a product the thread requests its share of that product.
  */
-static void layer(const Team *team, const StackModel *m, const StackStep *st, const int64_t *weights, Product next,
-                  uint16_t *k_pool, uint16_t *v_pool, atomic_long *next_item, uint16_t *hidden, const StackBuffers *b,
-                  void *scratch, Prefetch *pending) {
+static void layer(const Team *team, const StackModel *m, const StackStep *st, const int64_t *weights,
+                  const Product products[4], Product next, uint16_t *k_pool, uint16_t *v_pool,
+                  atomic_long *next_item, uint16_t *hidden, const StackBuffers *b, void *scratch, Prefetch *pending) {
     const int64_t rows = st->rows, dim = m->dim, qkv_rows = qkv_width(m), attn_dim = attn_width(m);
     const int64_t inter = m->intermediate, kv_elems = (int64_t)m->num_kv_heads * m->head_dim;
-    Product products[4];
-    layer_products(m, weights, products);
     {
         FOR_SHARE(team, rows, r)
             radixrt_rms_norm_row(hidden + r * dim, NULL, (const void *)weights[INPUT_NORM], b->normed + r * dim, dim,
@@ -209,15 +207,16 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
     team_barrier(team);
     const int with_head = step->num_logit_rows > 0;
     const Product head = {PRODUCT_HEAD, with_head ? m->head : NULL, m->head_bits, m->head_rows, dim};
-    Product first[4] = {head};
-    if (m->num_layers > 0) layer_products(m, m->layer_weights, first);
-    Prefetch pending = first[0].weight != NULL ? share_of(team, m, first[0]) : (Prefetch){NULL, NULL};
+    Product current[4] = {head};  /* the layer's products; the head's alone after the last layer */
+    if (m->num_layers > 0) layer_products(m, m->layer_weights, current);
+    Prefetch pending = current[0].weight != NULL ? share_of(team, m, current[0]) : (Prefetch){NULL, NULL};
     for (int i = 0; i < m->num_layers; i++) {
         const int64_t *weights = m->layer_weights + i * LAYER_WEIGHTS;
         Product next[4] = {head};
         if (i + 1 < m->num_layers) layer_products(m, weights + LAYER_WEIGHTS, next);
-        layer(team, m, step, weights, next[0], (uint16_t *)m->k_pools[i], (uint16_t *)m->v_pools[i],
+        layer(team, m, step, weights, current, next[0], (uint16_t *)m->k_pools[i], (uint16_t *)m->v_pools[i],
               &step->next_items[i], hidden, b, own_scratch, &pending);
+        memcpy(current, next, sizeof current);
     }
     if (with_head) {
         {

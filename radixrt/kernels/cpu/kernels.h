@@ -48,7 +48,8 @@ static inline void cpu_relax(void) {
  * the step's next product. A batch-1 step of the bundled model waits ~0.2 ms of its ~1.9 at
  * ~270 barriers (the partner's row work, attention, the slower thread's share), time in which
  * nothing reads memory; requested then, into L2, those bytes no longer wait in the product. A
- * decode run's step on the project's 2-core Zen 4 VM: 3-5% faster (in-process A/B, 70-75 GB/s).
+ * decode run's step on the project's 2-core Zen 4 VM (in-process A/Bs): 1.974 -> 1.904 ms when
+ * memory read fast (59-77 GB/s), 2-4% faster than without in slow minutes (41-46 GB/s).
  */
 typedef struct {
     const char *next, *end;
@@ -106,16 +107,12 @@ void radixrt_rope_row(uint16_t *heads_row, int64_t heads, int64_t head_dim, cons
  * the output columns of the weight's tiles [first_tile, last_tile) (QUANTIZED_TILE_ROWS rows of
  * w each, radixrt_quantized_tile_bytes(bits, num_cols) bytes, in order). A column's result does
  * not depend on the range it is computed in. scratch: radixrt_quantized_matmul_scratch_bytes(m,
- * num_cols) bytes, the caller's own. _share: a team's threads each take an equal share of the
- * tiles (no barrier at the end).
+ * num_cols) bytes, the caller's own.
  */
 #define QUANTIZED_TILE_ROWS 16
 void radixrt_quantized_matmul_tiles(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
                                     int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
                                     int64_t first_tile, int64_t last_tile);
-void radixrt_quantized_matmul_share(const Team *team, const uint16_t *x, int64_t x_stride, int64_t m,
-                                    const uint8_t *tiles, int bits, int64_t num_rows, int64_t num_cols, float *out,
-                                    uint16_t *out_bf16, void *scratch);
 int64_t radixrt_quantized_matmul_scratch_bytes(int64_t m, int64_t num_cols);
 int64_t radixrt_quantized_tile_bytes(int bits, int64_t num_cols);
 
@@ -143,15 +140,15 @@ void radixrt_row_stats_row(const float *x, int64_t cols, int64_t *argmax, float 
  * tokens and values minus `shift`; count <= cols */
 void radixrt_top_row(const float *x, int64_t cols, int count, float shift, int64_t *tokens, float *values);
 
+/* sample_rows.c: one row's repetition, frequency and presence penalties, in place */
+void radixrt_penalize_row(float *x, int64_t cols, const int32_t *seen, const int32_t *output_counts, float repetition,
+                          float frequency, float presence);
 /*
  * sample_rows.c: one float32 row's token drawn at `uniform` from softmax(x / temperature) after
  * its top-k, top-p and min-p filters (see radixrt_sample_rows). weights: cols floats of scratch
  * (read only with top_p < 1); block_scratch: a float per block of SAMPLE_BLOCK tokens.
  */
 #define SAMPLE_BLOCK 64
-/* sample_rows.c: one row's repetition, frequency and presence penalties, in place */
-void radixrt_penalize_row(float *x, int64_t cols, const int32_t *seen, const int32_t *output_counts, float repetition,
-                          float frequency, float presence);
 int64_t radixrt_sample_row(const float *x, int64_t cols, float maximum, float temperature, int64_t top_k,
                            float top_p, float min_p, double uniform, float *weights, float *block_scratch);
 

@@ -358,16 +358,6 @@ void radixrt_quantized_matmul_tiles(
     }
 }
 
-void radixrt_quantized_matmul_share(
-    const Team *team, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
-    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch
-) {
-    int64_t first, last;
-    team_share(team, num_rows / TILE_ROWS, &first, &last);
-    radixrt_quantized_matmul_tiles(x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16, scratch, first,
-                                   last);
-}
-
 /*
  * out[r] (fp32, or bf16 when out_bf16 is not NULL) = x[r] @ w.T for r < m. num_rows % 16 == 0 and
  * num_cols % 32 == 0 (the caller checks). Returns 0, -1 without memory, -2 for other bits.
@@ -383,9 +373,11 @@ int radixrt_quantized_matmul_bf16(
     if (scratch == NULL) return -1;
     #pragma omp parallel num_threads(num_threads)
     {
-        Team team = {NULL, omp_get_thread_num(), omp_get_num_threads()};  /* no barrier: the region's end */
-        radixrt_quantized_matmul_share(&team, x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16,
-                                       scratch + scratch_bytes * team.thread);
+        const Team team = {NULL, omp_get_thread_num(), omp_get_num_threads()};  /* no barrier: the region's end */
+        int64_t first, last;  /* an equal share of the tiles */
+        team_share(&team, num_rows / TILE_ROWS, &first, &last);
+        radixrt_quantized_matmul_tiles(x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16,
+                                       scratch + scratch_bytes * team.thread, first, last);
     }
     free(scratch);
     return 0;
@@ -394,14 +386,6 @@ int radixrt_quantized_matmul_bf16(
 #else
 
 int radixrt_quantized_matmul_available(void) { return 0; }
-
-void radixrt_quantized_matmul_share(
-    const Team *team, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
-    int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch
-) {
-    (void)team; (void)x; (void)x_stride; (void)m; (void)tiles; (void)bits; (void)num_rows; (void)num_cols;
-    (void)out; (void)out_bf16; (void)scratch;
-}
 
 void radixrt_quantized_matmul_tiles(
     const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits, int64_t num_rows,
