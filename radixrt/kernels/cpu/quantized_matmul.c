@@ -111,12 +111,14 @@ static inline uint32_t load_pair(const uint16_t *p) {
  * Near a tile's end the next block's tile t is asked for instead of the tile after this one
  * (which is in this block, already read): the next block then starts with its codes in flight
  * (a batch-1 step in decode runs 0.8-1.5% faster, three A/Bs at 41-50 GB/s).
- * The same line twice as far on is asked for into L2 (`prefetcht1`): a request into L1 holds one
- * of the core's few L1 miss buffers until its line arrives, so the near requests alone kept too
- * little in flight when memory answered fast; the far ones fill L2's deeper queue, and the near
- * ones then mostly find their lines there. A batch-1 decode run's step (one process alternating
- * builds): 0.944x and 0.949x in the minutes when a float32 sum read 69-72 GB/s, 0.985x and 0.997x
- * at 41-49 GB/s; three or four times as far gained less (0.945-0.98x, 1.00-1.03x).
+ * A single row (`far`: a batch-1 step, memory-bound) also asks for the same line twice as far on,
+ * into L2 (`prefetcht1`): a request into L1 holds one of the core's few L1 miss buffers until its
+ * line arrives, so the near requests alone kept too little in flight when memory answered fast;
+ * the far ones fill L2's deeper queue, and the near ones then mostly find their lines there. A
+ * batch-1 decode run's step (one process alternating builds): 0.944x, 0.949x and 0.949x in the
+ * minutes when a float32 sum read 69-78 GB/s, 0.985x and 0.997x at 41-49 GB/s; three times as
+ * far 0.945x and 1.009x (fast minutes), far requests alone 1.09x. Batches of 8 and 32 rows read
+ * each block once for all of them and gained nothing (1.000x, 1.004x); prefill is compute-bound.
  */
 static inline __attribute__((always_inline)) const char *group_ahead(const uint8_t *group, int bits, int nt, int64_t g,
                                                                     int64_t groups, int ahead) {
@@ -125,17 +127,17 @@ static inline __attribute__((always_inline)) const char *group_ahead(const uint8
 }
 
 static inline __attribute__((always_inline)) void prefetch_next_group(const uint8_t *group, int bits, int line, int nt,
-                                                                     int64_t g, int64_t groups) {
+                                                                     int64_t g, int64_t groups, int far) {
     const int ahead = nt * BLOCK_BYTES(bits) >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / (nt * BLOCK_BYTES(bits));
-    const char *near = group_ahead(group, bits, nt, g, groups, ahead);
-    const char *far = group_ahead(group, bits, nt, g, groups, 2 * ahead);
+    const char *near_group = group_ahead(group, bits, nt, g, groups, ahead);
+    const char *far_group = group_ahead(group, bits, nt, g, groups, 2 * ahead);
     if (64 * line < BLOCK_BYTES(bits)) {
-        _mm_prefetch(near + 64 * line, _MM_HINT_NTA);
-        _mm_prefetch(far + 64 * line, _MM_HINT_T1);
+        _mm_prefetch(near_group + 64 * line, _MM_HINT_NTA);
+        if (far) _mm_prefetch(far_group + 64 * line, _MM_HINT_T1);
     }
     if (line == 0 && BLOCK_BYTES(bits) > 64 * CHUNKS) {
-        _mm_prefetch(near + 64 * CHUNKS, _MM_HINT_NTA);
-        _mm_prefetch(far + 64 * CHUNKS, _MM_HINT_T1);
+        _mm_prefetch(near_group + 64 * CHUNKS, _MM_HINT_NTA);
+        if (far) _mm_prefetch(far_group + 64 * CHUNKS, _MM_HINT_T1);
     }
 }
 
@@ -180,7 +182,7 @@ static inline __attribute__((always_inline)) void nibble_block(
         for (int c = 0; c < CHUNKS; c++) {
             _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++) {
                 const uint8_t *group = tiles + ((tile + t) * groups + g) * BLOCK_BYTES(bits);
-                prefetch_next_group(group, bits, c, nt, g, groups);
+                prefetch_next_group(group, bits, c, nt, g, groups, mb == 1);
                 __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(group + CHUNK_BYTES(bits) * c)));
                 __m512bh low_codes = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
                 __m512bh high_codes = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
@@ -291,7 +293,7 @@ static inline __attribute__((always_inline)) void byte_block(
             _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dot_hi[t][r] = dot_lo[t][r] = _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int c = 0; c < CHUNKS; c++) {
             _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
-                prefetch_next_group(group + t * tile_stride, 8, c, nt, g, groups);
+                prefetch_next_group(group + t * tile_stride, 8, c, nt, g, groups, mb == 1);
                 const __m512i codes = _mm512_loadu_si512(group + t * tile_stride + CHUNK_BYTES(8) * c);
                 _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
                     const int64_t at = r * num_cols + g * GROUP + 4 * c;
