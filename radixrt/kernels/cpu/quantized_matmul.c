@@ -115,10 +115,12 @@ static inline uint32_t load_pair(const uint16_t *p) {
  * into L2 (`prefetcht1`): a request into L1 holds one of the core's few L1 miss buffers until its
  * line arrives, so the near requests alone kept too little in flight when memory answered fast;
  * the far ones fill L2's deeper queue, and the near ones then mostly find their lines there. A
- * batch-1 decode run's step (one process alternating builds): 0.944x, 0.949x and 0.949x in the
- * minutes when a float32 sum read 69-78 GB/s, 0.985x and 0.997x at 41-49 GB/s; three times as
- * far 0.945x and 1.009x (fast minutes), far requests alone 1.09x. Batches of 8 and 32 rows read
- * each block once for all of them and gained nothing (1.000x, 1.004x); prefill is compute-bound.
+ * batch-1 decode run's step (one process alternating builds): 0.944x, 0.949x and 0.947x in the
+ * minutes when a float32 sum read 66-78 GB/s, 0.985x, 0.997x and 0.950x at 31-61 GB/s; three
+ * times as far 0.945x against none and 1.009x against twice (fast minutes), far requests without
+ * the near ones 1.09x. Batches of 8 and 32 rows, which read each block once for all of them,
+ * gained nothing (1.000x, 1.004x), nor did a 512-token prefill (2,274-2,364 against 2,314-2,389
+ * tokens/s).
  * A 4-bit block is 5 lines read over 8 chunks: its far requests go out with chunks 2-6 rather
  * than beside the near ones in chunks 0-4, so the group's requests are spread over its work
  * (0.977x over 54 fast-minute rounds, 0.972x and 0.991x slow; 1 or 3 chunks later 0.982-0.988x).
