@@ -65,10 +65,18 @@ typedef struct {
 
 /* This thread's share of the product's weight, as bytes to request while waiting before it. */
 static Prefetch share_of(const Team *team, const StackModel *m, Product p) {
+    if (p.weight == NULL) return (Prefetch){NULL, NULL, NULL, NULL};
     int64_t first, last;
     radixrt_product_tiles(m->balance, team, p.kind, p.num_rows / QUANTIZED_TILE_ROWS, &first, &last);
     const int64_t tile_bytes = radixrt_quantized_tile_bytes(p.bits, p.num_cols);
-    return (Prefetch){(const char *)p.weight + first * tile_bytes, (const char *)p.weight + last * tile_bytes};
+    return (Prefetch){(const char *)p.weight + first * tile_bytes, (const char *)p.weight + last * tile_bytes, NULL, NULL};
+}
+
+/* share_of(p), then this thread's share of `then` (kernels.h). */
+static Prefetch shares_of(const Team *team, const StackModel *m, Product p, Product then) {
+    Prefetch pending = share_of(team, m, p), after = share_of(team, m, then);
+    pending.then = after.next, pending.then_end = after.end;
+    return pending;
 }
 
 /* This thread's share of out = x @ w.T ([rows, num_rows]), timed for the balance. */
@@ -94,7 +102,8 @@ static void layer_products(const StackModel *m, const int64_t *weights, Product 
 /*
  * One layer (its `products`, as layer_products lists them), ending with `pending` set to this
  * thread's share of `next` (the next layer's qkv, or the head), which it then requests while it
- * waits; at each barrier before a product the thread requests its share of that product.
+ * waits; at each barrier before a product the thread requests its share of that product, and
+ * then of the one after it.
  */
 static void layer(const Team *team, const StackModel *m, const StackStep *st, const int64_t *weights,
                   const Product products[4], Product next, uint16_t *k_pool, uint16_t *v_pool,
@@ -108,7 +117,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     }
     team_wait(team, pending);
     multiply(team, m, products[0], b->normed, rows, NULL, b->qkv, scratch);
-    *pending = share_of(team, m, products[1]);
+    *pending = shares_of(team, m, products[1], products[2]);
     team_wait(team, pending);
     {
         FOR_SHARE(team, rows, r) {
@@ -125,7 +134,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     radixrt_attention_run(team, st->work, next_item, b->qkv, qkv_rows, k_pool, v_pool, st->kv_indices, m->scale,
                           b->attn, NULL, pending);
     multiply(team, m, products[1], b->attn, rows, NULL, b->projected, scratch);
-    *pending = share_of(team, m, products[2]);
+    *pending = shares_of(team, m, products[2], products[3]);
     team_wait(team, pending);
     {
         FOR_SHARE(team, rows, r)
@@ -134,7 +143,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     }
     team_wait(team, pending);
     multiply(team, m, products[2], b->normed, rows, NULL, b->gate_up, scratch);
-    *pending = share_of(team, m, products[3]);
+    *pending = shares_of(team, m, products[3], next);
     team_wait(team, pending);
     {
         FOR_SHARE(team, rows, r)
@@ -143,7 +152,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     }
     team_wait(team, pending);
     multiply(team, m, products[3], b->activated, rows, NULL, b->projected, scratch);
-    *pending = next.weight != NULL ? share_of(team, m, next) : (Prefetch){NULL, NULL};
+    *pending = share_of(team, m, next);
     team_wait(team, pending);
     {
         FOR_SHARE(team, rows * dim, i)
@@ -209,7 +218,7 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
     const Product head = {PRODUCT_HEAD, with_head ? m->head : NULL, m->head_bits, m->head_rows, dim};
     Product current[4] = {head};  /* the layer's products; the head's alone after the last layer */
     if (m->num_layers > 0) layer_products(m, m->layer_weights, current);
-    Prefetch pending = current[0].weight != NULL ? share_of(team, m, current[0]) : (Prefetch){NULL, NULL};
+    Prefetch pending = share_of(team, m, current[0]);
     for (int i = 0; i < m->num_layers; i++) {
         const int64_t *weights = m->layer_weights + i * LAYER_WEIGHTS;
         Product next[4] = {head};
