@@ -59,7 +59,7 @@
 #include "kernels.h"
 
 #define TILE_ROWS QUANTIZED_TILE_ROWS
-#define MAX_BLOCK_TILES 16  /* tiles_per_block */
+#define MAX_BLOCK_TILES 4  /* tiles_per_block */
 #define GROUP 32
 #define CHUNKS 8
 #define CHUNK_BYTES(bits) ((bits) == 4 ? 32 : 64)
@@ -115,16 +115,18 @@ static inline uint32_t load_pair(const uint16_t *p) {
  * are another thread's (read at its start) or past the weight, up to 15 KB of wasted reads at each
  * of a step's ~240 share ends (a batch-1 decode run's step 0.987x over 58 slow-minute rounds,
  * 0.985x over 19 fast ones; the next product's share is what the barrier before it requests).
- * A single row (`far`: a batch-1 step, memory-bound) also asks for the same line twice as far on,
- * into L2 (`prefetcht1`): a request into L1 holds one of the core's few L1 miss buffers until its
+ * A single row (`far`: a batch-1 step, memory-bound) also asks for the same line three times as
+ * far on, into L2 (`prefetcht1`): a request into L1 holds one of the core's few L1 miss buffers until its
  * line arrives, so the near requests alone kept too little in flight when memory answered fast;
  * the far ones fill L2's deeper queue, and the near ones then mostly find their lines there. A
  * batch-1 decode run's step (one process alternating builds): 0.944x, 0.949x and 0.947x in the
  * minutes when a float32 sum read 66-78 GB/s, 0.985x, 0.997x and 0.950x at 31-61 GB/s; three
  * times as far 0.945x against none and 1.009x against twice (fast minutes), far requests without
- * the near ones 1.09x. Batches of 8 and 32 rows, which read each block once for all of them,
- * gained nothing (1.000x, 1.004x), nor did a 512-token prefill (2,274-2,364 against 2,314-2,389
- * tokens/s).
+ * the near ones 1.09x (those with 16 tiles a block and twice as far; with 4 tiles a block, three
+ * times as far took 0.948x the time of twice in fast minutes (40 rounds), four times 1.000x of
+ * three, six 1.045x; see tiles_per_block). Batches of 8 and 32 rows, which read each block once
+ * for all of them, gained nothing (1.000x, 1.004x), nor did a 512-token prefill (2,274-2,364
+ * against 2,314-2,389 tokens/s).
  * A 4-bit block is 5 lines read over 8 chunks: its far requests go out with chunks 2-6 rather
  * than beside the near ones in chunks 0-4, so the group's requests are spread over its work
  * (0.977x over 54 fast-minute rounds, 0.972x and 0.991x slow; 1 or 3 chunks later 0.982-0.988x).
@@ -140,7 +142,7 @@ static inline __attribute__((always_inline)) void prefetch_next_group(const uint
                                                                      const char *share_end) {
     const int ahead = nt * BLOCK_BYTES(bits) >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / (nt * BLOCK_BYTES(bits));
     const char *near_group = group_ahead(group, bits, nt, g, groups, ahead);
-    const char *far_group = group_ahead(group, bits, nt, g, groups, 2 * ahead);
+    const char *far_group = group_ahead(group, bits, nt, g, groups, 3 * ahead);
     const int near = near_group < share_end;
     far = far && far_group < share_end;
     const int far_line = bits == 4 ? line - 2 : line;  /* a 4-bit block's 5 lines: with chunks 2-6 */
@@ -174,8 +176,7 @@ static inline __attribute__((always_inline)) void store_block(
  * products (one per tile and row, in a fixed order), so that 6-8 chains hide
  * the instruction's latency: 2-4 tiles at M = 2-4, 1 tile at M >= 5. Each
  * tile's codes are a stream of their own in memory: a single row (a batch-1
- * step, memory-bound) takes up to 16 tiles at once, so that enough of the
- * weight is in flight from memory (tiles_per_block).
+ * step, memory-bound) takes up to 4 tiles at once (tiles_per_block).
  */
 static inline __attribute__((always_inline)) void nibble_block(
     const uint8_t *tiles, int64_t groups, const uint16_t *x, int64_t x_stride, const float *x_sums,
@@ -218,12 +219,17 @@ static inline __attribute__((always_inline)) void nibble_block(
 
 /*
  * Tiles in the next block for mb rows, `left` tiles to go. Several rows: about 8 chains. One
- * row: 16, 8, 4, 2 or 1 tiles, the most there are left, each an independent stream of codes in
- * memory. Measured on the project's 2-core Zen 4 VM, one row times four 17.7 MB 4-bit weights in
- * turn on 2 threads, at times when a float32 sum read 52-71 GB/s: 8 tiles read 28-32 GB/s, 16
- * 35-41, 24 53-56 but 32 42-48 (more accumulators than vector registers); in a whole batch-1
- * step of the bundled model (two builds in one process, alternating) 16 took 2% less time than 8
- * and 24 none. 8-bit codes keep two accumulators a tile: 8 tiles at most.
+ * row: 4, 2 or 1 tiles of 4-bit codes (8-bit: 8, 4, 2 or 1), the most there are left, each an
+ * independent stream of codes in memory. Before the weights were asked for from L2 as well
+ * (prefetch_next_group), a row needed many streams to keep enough in flight: 16 tiles a block
+ * took 2% less time than 8 in a batch-1 step. With those requests, fewer streams each asked for
+ * further ahead read faster: a batch-1 decode run's step (one process alternating settings,
+ * rounds split by a float32 sum's reading) took 0.941x the time with 4 tiles against 16 when the
+ * sum read over 62 GB/s (40 rounds), 0.934x in another A/B (23 rounds, 0.963x in its 17 slow
+ * ones), 8 tiles 0.941x, 2 tiles 1.006x; and with the far requests three times as far as the
+ * near ones instead of twice, 4 tiles against 16 and twice: 0.892x (40 rounds), 0.887x (17) and
+ * 0.936x (20) in fast minutes, 0.934x, 0.953x and 0.984x (60 rounds) in slow ones; 8 tiles so
+ * 0.914x. The 8-bit head keeps 8 (4 tiles with it: 1.012x) and three times as far (twice: 1.022x).
  */
 static inline int tiles_per_block(int mb, int bits, int64_t left) {
     if (mb == 1) {
@@ -344,9 +350,9 @@ static void run_block(const uint8_t *tiles, int64_t groups, int64_t num_cols, co
         return; \
     }
 #define SHAPES(CASE) \
-    CASE(8, 1) CASE(4, 1) CASE(2, 1) CASE(4, 2) CASE(2, 3) CASE(2, 4) \
+    CASE(4, 1) CASE(2, 1) CASE(4, 2) CASE(2, 3) CASE(2, 4) \
     CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(1, 5) CASE(1, 6) CASE(1, 7) CASE(1, 8)
-    NIBBLES(16, 1) SHAPES(NIBBLES) SHAPES(BYTES)
+    SHAPES(NIBBLES) BYTES(8, 1) SHAPES(BYTES)
 #undef SHAPES
 #undef BYTES
 #undef NIBBLES
