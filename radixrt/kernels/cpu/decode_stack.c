@@ -79,16 +79,14 @@ static Prefetch shares_of(const Team *team, const StackModel *m, Product p, Prod
     return pending;
 }
 
-/* This thread's share of out = x @ w.T ([rows, num_rows]), timed for the balance; its requests
- * past the share go to its share of `then`, the product after (weight NULL: none). */
+/* This thread's share of out = x @ w.T ([rows, num_rows]), timed for the balance. */
 static void multiply(const Team *team, const StackModel *m, Product p, const uint16_t *x, int64_t rows, float *out,
-                     uint16_t *out_bf16, void *scratch, Product then) {
+                     uint16_t *out_bf16, void *scratch) {
     int64_t first, last;
     radixrt_product_tiles(m->balance, team, p.kind, p.num_rows / QUANTIZED_TILE_ROWS, &first, &last);
-    const Prefetch after = share_of(team, m, then);
     const uint64_t start = radixrt_ticks();
     radixrt_quantized_matmul_tiles(x, p.num_cols, rows, p.weight, p.bits, p.num_rows, p.num_cols, out, out_bf16,
-                                   scratch, first, last, after.next, after.end);
+                                   scratch, first, last);
     radixrt_product_record(m->balance, team, p.kind, last - first, radixrt_ticks() - start);
 }
 
@@ -118,7 +116,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
                                  m->eps);
     }
     team_wait(team, pending);
-    multiply(team, m, products[0], b->normed, rows, NULL, b->qkv, scratch, products[1]);
+    multiply(team, m, products[0], b->normed, rows, NULL, b->qkv, scratch);
     *pending = shares_of(team, m, products[1], products[2]);
     team_wait(team, pending);
     {
@@ -135,7 +133,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     team_wait(team, pending);
     radixrt_attention_run(team, st->work, next_item, b->qkv, qkv_rows, k_pool, v_pool, st->kv_indices, m->scale,
                           b->attn, NULL, pending);
-    multiply(team, m, products[1], b->attn, rows, NULL, b->projected, scratch, products[2]);
+    multiply(team, m, products[1], b->attn, rows, NULL, b->projected, scratch);
     *pending = shares_of(team, m, products[2], products[3]);
     team_wait(team, pending);
     {
@@ -144,7 +142,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
                                  b->normed + r * dim, dim, m->eps);
     }
     team_wait(team, pending);
-    multiply(team, m, products[2], b->normed, rows, NULL, b->gate_up, scratch, products[3]);
+    multiply(team, m, products[2], b->normed, rows, NULL, b->gate_up, scratch);
     *pending = shares_of(team, m, products[3], next);
     team_wait(team, pending);
     {
@@ -153,7 +151,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
                                b->activated + r * inter, inter);
     }
     team_wait(team, pending);
-    multiply(team, m, products[3], b->activated, rows, NULL, b->projected, scratch, next);
+    multiply(team, m, products[3], b->activated, rows, NULL, b->projected, scratch);
     *pending = share_of(team, m, next);
     team_wait(team, pending);
     {
@@ -236,8 +234,7 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
                                      dim, m->eps);
         }
         team_wait(team, &pending);
-        multiply(team, m, head, b->head_input, step->num_logit_rows, step->logits, NULL, own_scratch,
-                 (Product){PRODUCT_HEAD, NULL, 0, 0, 0});
+        multiply(team, m, head, b->head_input, step->num_logit_rows, step->logits, NULL, own_scratch);
     }
 }
 

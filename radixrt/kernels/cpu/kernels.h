@@ -119,13 +119,12 @@ void radixrt_rope_row(uint16_t *heads_row, int64_t heads, int64_t head_dim, cons
  * the output columns of the weight's tiles [first_tile, last_tile) (QUANTIZED_TILE_ROWS rows of
  * w each, radixrt_quantized_tile_bytes(bits, num_cols) bytes, in order). A column's result does
  * not depend on the range it is computed in. scratch: radixrt_quantized_matmul_scratch_bytes(m,
- * num_cols) bytes, the caller's own. [after, after_end): the bytes of the caller's next product
- * that this thread reads first (after NULL: none), where requests that run past its tiles go.
+ * num_cols) bytes, the caller's own.
  */
 #define QUANTIZED_TILE_ROWS 16
 void radixrt_quantized_matmul_tiles(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
                                     int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
-                                    int64_t first_tile, int64_t last_tile, const char *after, const char *after_end);
+                                    int64_t first_tile, int64_t last_tile);
 int64_t radixrt_quantized_matmul_scratch_bytes(int64_t m, int64_t num_cols);
 int64_t radixrt_quantized_tile_bytes(int bits, int64_t num_cols);
 

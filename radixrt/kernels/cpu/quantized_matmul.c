@@ -110,14 +110,7 @@ static inline uint32_t load_pair(const uint16_t *p) {
  * the step was 0.1-1.4% faster than with `prefetcht0` in each of ten A/Bs.
  * Near a tile's end the next block's tile t is asked for instead of the tile after this one
  * (which is in this block, already read): the next block then starts with its codes in flight
- * (a batch-1 step in decode runs 0.8-1.5% faster, three A/Bs at 41-50 GB/s). In the share's last
- * block those lines are past this thread's tiles: another thread's (read at its start) or past
- * the weight, up to 15 KB of wasted reads at each of a step's ~240 share ends. They are asked for
- * at the same offset into the caller's next share instead (`Reach`), so that the next product
- * starts with its first lines on their way, or not at all without one (a batch-1 decode run's
- * step, not at all against as before: 0.987x over 58 slow-minute rounds, 0.985x over 19 fast
- * ones; then into the next share against not at all: 0.899x and 0.895x over 37 and 32 fast-minute
- * rounds, 0.975x over 18 slow ones).
+ * (a batch-1 step in decode runs 0.8-1.5% faster, three A/Bs at 41-50 GB/s).
  * A single row (`far`: a batch-1 step, memory-bound) also asks for the same line three times as
  * far on, into L2 (`prefetcht1`): a request into L1 holds one of the core's few L1 miss buffers until its
  * line arrives, so the near requests alone kept too little in flight when memory answered fast;
@@ -129,7 +122,12 @@ static inline uint32_t load_pair(const uint16_t *p) {
  * times as far took 0.948x the time of twice in fast minutes (40 rounds), four times 1.000x of
  * three, six 1.045x; see tiles_per_block). Batches of 8 and 32 rows, which read each block once
  * for all of them, gained nothing (1.000x, 1.004x), nor did a 512-token prefill (2,274-2,364
- * against 2,314-2,389 tokens/s).
+ * against 2,314-2,389 tokens/s). In a share's last block the requests run past the thread's
+ * tiles (into the other thread's, or past the weight). Keeping them within the share (a compare
+ * and branch each) made a batch-1 step 1.076x slower in fast minutes in an A/B of the two builds
+ * (185 runs each), and sending them into the thread's share of the next product instead 1.2x;
+ * test builds with either switched on and off had shown gains, with the check's instructions
+ * in both settings: this function runs once per load of codes.
  * A 4-bit block is 5 lines read over 8 chunks: its far requests go out with chunks 2-6 rather
  * than beside the near ones in chunks 0-4, so the group's requests are spread over its work
  * (0.977x over 54 fast-minute rounds, 0.972x and 0.991x slow; 1 or 3 chunks later 0.982-0.988x).
@@ -140,32 +138,16 @@ static inline __attribute__((always_inline)) const char *group_ahead(const uint8
     return (const char *)group + (ahead + wrap) * BLOCK_BYTES(bits);
 }
 
-/* How far a thread's requests may reach: its own tiles end at share_end; past them, the same
- * offset into the caller's next share [after, after_end) (none: after NULL). */
-typedef struct {
-    const char *share_end, *after, *after_end;
-} Reach;
-
-/* Where a request for `at` goes under `reach`, or NULL for none. */
-static inline __attribute__((always_inline)) const char *reached(const char *at, Reach reach) {
-    if (at < reach.share_end) return at;
-    if (reach.after == NULL) return NULL;
-    at = reach.after + (at - reach.share_end);
-    return at < reach.after_end ? at : NULL;
-}
-
 static inline __attribute__((always_inline)) void prefetch_next_group(const uint8_t *group, int bits, int line, int nt,
-                                                                     int64_t g, int64_t groups, int far, Reach reach) {
+                                                                     int64_t g, int64_t groups, int far) {
     const int ahead = nt * BLOCK_BYTES(bits) >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / (nt * BLOCK_BYTES(bits));
-    const char *near_group = reached(group_ahead(group, bits, nt, g, groups, ahead), reach);
-    const char *far_group = reached(group_ahead(group, bits, nt, g, groups, 3 * ahead), reach);
-    const int near = near_group != NULL;
-    far = far && far_group != NULL;
+    const char *near_group = group_ahead(group, bits, nt, g, groups, ahead);
+    const char *far_group = group_ahead(group, bits, nt, g, groups, 3 * ahead);
     const int far_line = bits == 4 ? line - 2 : line;  /* a 4-bit block's 5 lines: with chunks 2-6 */
-    if (near && 64 * line < BLOCK_BYTES(bits)) _mm_prefetch(near_group + 64 * line, _MM_HINT_NTA);
+    if (64 * line < BLOCK_BYTES(bits)) _mm_prefetch(near_group + 64 * line, _MM_HINT_NTA);
     if (far && far_line >= 0 && 64 * far_line < BLOCK_BYTES(bits)) _mm_prefetch(far_group + 64 * far_line, _MM_HINT_T1);
     if (line == 0 && BLOCK_BYTES(bits) > 64 * CHUNKS) {
-        if (near) _mm_prefetch(near_group + 64 * CHUNKS, _MM_HINT_NTA);
+        _mm_prefetch(near_group + 64 * CHUNKS, _MM_HINT_NTA);
         if (far) _mm_prefetch(far_group + 64 * CHUNKS, _MM_HINT_T1);
     }
 }
@@ -196,7 +178,7 @@ static inline __attribute__((always_inline)) void store_block(
  */
 static inline __attribute__((always_inline)) void nibble_block(
     const uint8_t *tiles, int64_t groups, const uint16_t *x, int64_t x_stride, const float *x_sums,
-    int64_t tile, int nt, int mb, float *out, int64_t out_stride, uint16_t *out_bf16, Reach reach
+    int64_t tile, int nt, int mb, float *out, int64_t out_stride, uint16_t *out_bf16
 ) {
     const int bits = 4;
     const __m512i table = _mm512_loadu_si512(CODE_TABLE);
@@ -210,7 +192,7 @@ static inline __attribute__((always_inline)) void nibble_block(
         for (int c = 0; c < CHUNKS; c++) {
             _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++) {
                 const uint8_t *group = tiles + ((tile + t) * groups + g) * BLOCK_BYTES(bits);
-                prefetch_next_group(group, bits, c, nt, g, groups, mb == 1, reach);
+                prefetch_next_group(group, bits, c, nt, g, groups, mb == 1);
                 __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(group + CHUNK_BYTES(bits) * c)));
                 __m512bh low_codes = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
                 __m512bh high_codes = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
@@ -313,7 +295,7 @@ static inline __m512i broadcast4(const int8_t *plane) {
  */
 static inline __attribute__((always_inline)) void byte_block(
     const uint8_t *tiles, int64_t groups, int64_t num_cols, const ByteRows *rows, int64_t tile, int nt, int mb,
-    float *out, int64_t out_stride, uint16_t *out_bf16, Reach reach
+    float *out, int64_t out_stride, uint16_t *out_bf16
 ) {
     const int64_t tile_stride = groups * BLOCK_BYTES(8);
     __m512 acc[MAX_BYTE_BLOCK_TILES][8];
@@ -326,7 +308,7 @@ static inline __attribute__((always_inline)) void byte_block(
             _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dot_hi[t][r] = dot_lo[t][r] = _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int c = 0; c < CHUNKS; c++) {
             _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
-                prefetch_next_group(group + t * tile_stride, 8, c, nt, g, groups, mb == 1, reach);
+                prefetch_next_group(group + t * tile_stride, 8, c, nt, g, groups, mb == 1);
                 const __m512i codes = _mm512_loadu_si512(group + t * tile_stride + CHUNK_BYTES(8) * c);
                 _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
                     const int64_t at = r * num_cols + g * GROUP + 4 * c;
@@ -354,15 +336,15 @@ static inline __attribute__((always_inline)) void byte_block(
 /* The block shapes and code widths, each its own unrolled code. */
 static void run_block(const uint8_t *tiles, int64_t groups, int64_t num_cols, const uint16_t *x, int64_t x_stride,
                       const float *x_sums, const ByteRows *rows, int64_t tile, int nt, int mb, int bits, float *out,
-                      uint16_t *out_bf16, int64_t out_stride, Reach reach) {
+                      uint16_t *out_bf16, int64_t out_stride) {
 #define NIBBLES(NT, MB) \
     if (bits == 4 && nt == NT && mb == MB) { \
-        nibble_block(tiles, groups, x, x_stride, x_sums, tile, NT, MB, out, out_stride, out_bf16, reach); \
+        nibble_block(tiles, groups, x, x_stride, x_sums, tile, NT, MB, out, out_stride, out_bf16); \
         return; \
     }
 #define BYTES(NT, MB) \
     if (bits == 8 && nt == NT && mb == MB) { \
-        byte_block(tiles, groups, num_cols, rows, tile, NT, MB, out, out_stride, out_bf16, reach); \
+        byte_block(tiles, groups, num_cols, rows, tile, NT, MB, out, out_stride, out_bf16); \
         return; \
     }
 #define SHAPES(CASE) \
@@ -387,15 +369,13 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t g
 
 void radixrt_quantized_matmul_tiles(
     const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits, int64_t num_rows,
-    int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch, int64_t first, int64_t last, const char *after,
-    const char *after_end
+    int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch, int64_t first, int64_t last
 ) {
     const int64_t groups = num_cols / GROUP;
     float *x_sums = scratch;
     ByteRows all = {0};
     if (bits == 4) group_sums(x, x_stride, m, groups, x_sums);
     else all = byte_rows(x, x_stride, m, num_cols, scratch);
-    const Reach reach = {(const char *)tiles + last * radixrt_quantized_tile_bytes(bits, num_cols), after, after_end};
     /* Within the run of tiles, a block of tiles is multiplied by every block of 8 rows while its
      * codes are in cache, so the weights are read from memory once. */
     for (int64_t tile = first, nt; tile < last; tile += nt) {
@@ -408,7 +388,7 @@ void radixrt_quantized_matmul_tiles(
             float *out_rows = out == NULL ? NULL : out + r * num_rows;
             uint16_t *out_rows_bf16 = out_bf16 == NULL ? NULL : out_bf16 + r * num_rows;
             run_block(tiles, groups, num_cols, x + r * x_stride, x_stride, x_sums + r * groups, &rows, tile, (int)nt,
-                      mb, bits, out_rows, out_rows_bf16, num_rows, reach);
+                      mb, bits, out_rows, out_rows_bf16, num_rows);
         }
     }
 }
@@ -432,7 +412,7 @@ int radixrt_quantized_matmul_bf16(
         int64_t first, last;  /* an equal share of the tiles */
         team_share(&team, num_rows / TILE_ROWS, &first, &last);
         radixrt_quantized_matmul_tiles(x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16,
-                                       scratch + scratch_bytes * team.thread, first, last, NULL, NULL);
+                                       scratch + scratch_bytes * team.thread, first, last);
     }
     free(scratch);
     return 0;
@@ -444,11 +424,10 @@ int radixrt_quantized_matmul_available(void) { return 0; }
 
 void radixrt_quantized_matmul_tiles(
     const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits, int64_t num_rows,
-    int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch, int64_t first, int64_t last, const char *after,
-    const char *after_end
+    int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch, int64_t first, int64_t last
 ) {
     (void)x; (void)x_stride; (void)m; (void)tiles; (void)bits; (void)num_rows; (void)num_cols; (void)out;
-    (void)out_bf16; (void)scratch; (void)first; (void)last; (void)after; (void)after_end;
+    (void)out_bf16; (void)scratch; (void)first; (void)last;
 }
 
 int radixrt_quantized_matmul_bf16(
