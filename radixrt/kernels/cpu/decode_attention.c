@@ -50,34 +50,31 @@ static inline __attribute__((always_inline)) float load1(const void *base, int64
     return f32 ? ((const float *)base)[at] : bf16_to_float(((const uint16_t *)base)[at]);
 }
 
-/* Prefetch the head_dim elements from element `at` on. */
-static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t at, int head_dim, int f32) {
+/* Prefetch the head_dim elements from element `at` on, into L1 or (into_l2, a literal) L2. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t at, int head_dim, int f32,
+                                                              int into_l2) {
     const int size = f32 ? 4 : 2;
     const char *row = (const char *)base + at * size;
-    for (int line = 0; line < head_dim * size; line += 64) __builtin_prefetch(row + line);
-}
-
-/* Prefetch the head_dim elements from element `at` on into L2. */
-static inline __attribute__((always_inline)) void prefetch_row_l2(const void *base, int64_t at, int head_dim, int f32) {
-    const int size = f32 ? 4 : 2;
-    const char *row = (const char *)base + at * size;
-    for (int line = 0; line < head_dim * size; line += 64) __builtin_prefetch(row + line, 0, 2);
+    for (int line = 0; line < head_dim * size; line += 64) {
+        if (into_l2) __builtin_prefetch(row + line, 0, 2);
+        else __builtin_prefetch(row + line);
+    }
 }
 
 /*
  * Before an item's score loop: the K rows of its first PREFETCH_AHEAD keys, which prefetch_ahead
- * does not ask for, and their V rows, into L2 (the value pass reads them after the whole score
- * loop). At batch 1 each of the 30 layers' items began with ~32 misses one after another.
- * Measured with the sixteen-key scores (attend_chunk_wide) and with the barriers' requests going
- * on to the product after (kernels.h): see there.
+ * does not ask for (its requests run PREFETCH_AHEAD keys ahead of the loop), and their V rows, into
+ * L2 (the value pass reads them after the whole score loop). A batch-1 decode run's step, with the
+ * sixteen-key scores (attend_chunk_wide): 0.985x in fast-memory minutes (48 rounds), 0.977x in
+ * slow ones (12), against neither (one process alternating settings of a test build).
  */
 static inline __attribute__((always_inline)) void prefetch_start(
     const void *k_pool, const void *v_pool, const int64_t *slots, int64_t n, int h, int num_kv_heads, int head_dim,
     int f32
 ) {
     for (int64_t j = 0; j < n && j < PREFETCH_AHEAD; j++) {
-        prefetch_row(k_pool, (slots[j] * num_kv_heads + h) * head_dim, head_dim, f32);
-        prefetch_row_l2(v_pool, (slots[j] * num_kv_heads + h) * head_dim, head_dim, f32);
+        prefetch_row(k_pool, (slots[j] * num_kv_heads + h) * head_dim, head_dim, f32, 0);
+        prefetch_row(v_pool, (slots[j] * num_kv_heads + h) * head_dim, head_dim, f32, 1);
     }
 }
 
@@ -90,10 +87,10 @@ static inline __attribute__((always_inline)) void prefetch_ahead(
 ) {
     const int64_t ahead = j + PREFETCH_AHEAD;
     if (ahead < n) {
-        prefetch_row(k_pool, (slots[ahead] * num_kv_heads + h) * head_dim, head_dim, f32);
-        prefetch_row(v_pool, (slots[ahead] * num_kv_heads + h) * head_dim, head_dim, f32);
+        prefetch_row(k_pool, (slots[ahead] * num_kv_heads + h) * head_dim, head_dim, f32, 0);
+        prefetch_row(v_pool, (slots[ahead] * num_kv_heads + h) * head_dim, head_dim, f32, 0);
     } else if (ahead - n < n) {
-        prefetch_row(v_pool, (slots[ahead - n] * num_kv_heads + h) * head_dim, head_dim, f32);
+        prefetch_row(v_pool, (slots[ahead - n] * num_kv_heads + h) * head_dim, head_dim, f32, 0);
     }
 }
 
@@ -219,7 +216,9 @@ static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 v[1
  * ~110 cycles a key and KV head). Same float32 arithmetic, per-key dot products reduced across
  * lanes at the end, sixteen keys' at once (lane_sums16): one KV head's 256 keys, cache-resident,
  * took 13.8 TSC ticks a key in the score loop with a reduction per key and 9.8 with them (the
- * value loop 4.5), the same bits.
+ * value loop 4.5), the same bits. In a batch-1 step, on K/V from memory, that alone bought
+ * nothing (1.001x, fast minutes); with prefetch_start and the barriers' requests going on to the
+ * product after (kernels.h), 0.974x against 0.988x without it (48 fast-minute rounds).
  */
 static inline __attribute__((always_inline)) void attend_chunk_wide(
     const float *q, const void *k_pool, const void *v_pool, const int64_t *slots,

@@ -72,11 +72,10 @@ static Prefetch share_of(const Team *team, const StackModel *m, Product p) {
     return (Prefetch){(const char *)p.weight + first * tile_bytes, (const char *)p.weight + last * tile_bytes, NULL, NULL};
 }
 
-/* share_of(p), then this thread's share of `then` (kernels.h). */
-static Prefetch shares_of(const Team *team, const StackModel *m, Product p, Product then) {
-    Prefetch pending = share_of(team, m, p), after = share_of(team, m, then);
-    pending.then = after.next, pending.then_end = after.end;
-    return pending;
+/* Share `first`, then share `after` (kernels.h). */
+static Prefetch followed_by(Prefetch first, Prefetch after) {
+    first.then = after.next, first.then_end = after.end;
+    return first;
 }
 
 /* This thread's share of out = x @ w.T ([rows, num_rows]), timed for the balance. */
@@ -110,6 +109,9 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
                   atomic_long *next_item, uint16_t *hidden, const StackBuffers *b, void *scratch, Prefetch *pending) {
     const int64_t rows = st->rows, dim = m->dim, qkv_rows = qkv_width(m), attn_dim = attn_width(m);
     const int64_t inter = m->intermediate, kv_elems = (int64_t)m->num_kv_heads * m->head_dim;
+    /* this thread's shares of the o, gate_up and down products and of `next` */
+    const Prefetch shares[4] = {share_of(team, m, products[1]), share_of(team, m, products[2]),
+                                share_of(team, m, products[3]), share_of(team, m, next)};
     {
         FOR_SHARE(team, rows, r)
             radixrt_rms_norm_row(hidden + r * dim, NULL, (const void *)weights[INPUT_NORM], b->normed + r * dim, dim,
@@ -117,7 +119,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     }
     team_wait(team, pending);
     multiply(team, m, products[0], b->normed, rows, NULL, b->qkv, scratch);
-    *pending = shares_of(team, m, products[1], products[2]);
+    *pending = followed_by(shares[0], shares[1]);
     team_wait(team, pending);
     {
         FOR_SHARE(team, rows, r) {
@@ -134,7 +136,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     radixrt_attention_run(team, st->work, next_item, b->qkv, qkv_rows, k_pool, v_pool, st->kv_indices, m->scale,
                           b->attn, NULL, pending);
     multiply(team, m, products[1], b->attn, rows, NULL, b->projected, scratch);
-    *pending = shares_of(team, m, products[2], products[3]);
+    *pending = followed_by(shares[1], shares[2]);
     team_wait(team, pending);
     {
         FOR_SHARE(team, rows, r)
@@ -143,7 +145,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     }
     team_wait(team, pending);
     multiply(team, m, products[2], b->normed, rows, NULL, b->gate_up, scratch);
-    *pending = shares_of(team, m, products[3], next);
+    *pending = followed_by(shares[2], shares[3]);
     team_wait(team, pending);
     {
         FOR_SHARE(team, rows, r)
@@ -152,7 +154,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     }
     team_wait(team, pending);
     multiply(team, m, products[3], b->activated, rows, NULL, b->projected, scratch);
-    *pending = share_of(team, m, next);
+    *pending = shares[3];
     team_wait(team, pending);
     {
         FOR_SHARE(team, rows * dim, i)

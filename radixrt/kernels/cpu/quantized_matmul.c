@@ -112,22 +112,22 @@ static inline uint32_t load_pair(const uint16_t *p) {
  * (which is in this block, already read): the next block then starts with its codes in flight
  * (a batch-1 step in decode runs 0.8-1.5% faster, three A/Bs at 41-50 GB/s).
  * A single row (`far`: a batch-1 step, memory-bound) also asks for the same line three times as
- * far on, into L2 (`prefetcht1`): a request into L1 holds one of the core's few L1 miss buffers until its
- * line arrives, so the near requests alone kept too little in flight when memory answered fast;
- * the far ones fill L2's deeper queue, and the near ones then mostly find their lines there. A
- * batch-1 decode run's step (one process alternating builds): 0.944x, 0.949x and 0.947x in the
- * minutes when a float32 sum read 66-78 GB/s, 0.985x, 0.997x and 0.950x at 31-61 GB/s; three
- * times as far 0.945x against none and 1.009x against twice (fast minutes), far requests without
- * the near ones 1.09x (those with 16 tiles a block and twice as far; with 4 tiles a block, three
- * times as far took 0.948x the time of twice in fast minutes (40 rounds), four times 1.000x of
- * three, six 1.045x; see tiles_per_block). Batches of 8 and 32 rows, which read each block once
- * for all of them, gained nothing (1.000x, 1.004x), nor did a 512-token prefill (2,274-2,364
- * against 2,314-2,389 tokens/s). In a share's last block the requests run past the thread's
- * tiles (into the other thread's, or past the weight). Keeping them within the share (a compare
- * and branch each) made a batch-1 step 1.076x slower in fast minutes in an A/B of the two builds
- * (185 runs each), and sending them into the thread's share of the next product instead 1.2x;
- * test builds with either switched on and off had shown gains, with the check's instructions
- * in both settings: this function runs once per load of codes.
+ * far on, into L2 (`prefetcht1`): a request into L1 holds one of the core's few L1 miss buffers
+ * until its line arrives, so the near requests alone kept too little in flight when memory
+ * answered fast; the far ones fill L2's deeper queue, and the near ones then mostly find their
+ * lines there. Introduced twice as far, with 16 tiles a block: a batch-1 decode run's step
+ * 0.944x, 0.949x and 0.947x in the minutes when a float32 sum read 66-78 GB/s, 0.985x, 0.997x
+ * and 0.950x at 31-61 GB/s (one process alternating settings); far requests without the near
+ * ones 1.09x. With 4 tiles a block (tiles_per_block), three times as far took 0.948x the time of
+ * twice in fast minutes (40 rounds), four times 1.000x of three, six 1.045x. Batches of 8 and 32
+ * rows, which read each block once for all of them, gained nothing (1.000x, 1.004x), nor did a
+ * 512-token prefill (2,274-2,364 against 2,314-2,389 tokens/s).
+ * In a share's last block the requests run past the thread's tiles (into the other thread's, or
+ * past the weight). Keeping them within the share (a compare and branch each) made a batch-1
+ * step 1.076x slower in fast minutes in an A/B of the two builds (185 runs each), and sending
+ * them into the thread's share of the next product 1.20-1.22x slower than that; test builds with either
+ * switched on and off had shown gains, with the check's instructions in both settings: this
+ * function runs once per load of codes.
  * A 4-bit block is 5 lines read over 8 chunks: its far requests go out with chunks 2-6 rather
  * than beside the near ones in chunks 0-4, so the group's requests are spread over its work
  * (0.977x over 54 fast-minute rounds, 0.972x and 0.991x slow; 1 or 3 chunks later 0.982-0.988x).
