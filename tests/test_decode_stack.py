@@ -12,7 +12,7 @@ from radixrt.kernels import cpu
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
 from radixrt.kernels.segments import attention_segments
-from radixrt.memory import KVCache
+from radixrt.memory import KVCache, huge_pages
 from radixrt.memory.kv_cache import KVShape
 from radixrt.model.gguf_int4 import NativeWeights
 from radixrt.model.linear import PackedLMHead
@@ -145,6 +145,23 @@ def test_the_whole_step_through_the_files_head_is_bit_identical_to_the_layer_pat
     assert len(calls) == 1, "the stacked step ran its head in the kernel"
     assert torch.equal(stacked, layered)
     assert all(torch.equal(a, b) for a, b in zip(stacked_k, layered_k))
+
+
+def test_the_packed_weights_lie_side_by_side_in_the_order_a_step_reads_them(headed_model):
+    """One buffer on huge pages (memory/huge_pages.py), so that a step streams one run of memory;
+    the layer path and the whole-step kernel read the same copies."""
+    layers = headed_model._decoder_layers()
+    packed = [weight for layer in layers for weight in layer.int4_steps.packed_weights()]
+    packed.append(headed_model._invariant_lm_head.packed)
+    at = packed[0].data.data_ptr()
+    assert at % huge_pages.HUGE_PAGE == 0
+    for weight in packed:
+        assert weight.data.data_ptr() == at
+        at += -(-weight.data.numel() // huge_pages.ALIGNMENT) * huge_pages.ALIGNMENT
+    table = headed_model._stack._weights
+    for i, layer in enumerate(layers):
+        steps = layer.int4_steps
+        assert table[i, [1, 2, 4, 5]].tolist() == [w.data.data_ptr() for w in steps.packed_weights()]
 
 
 def test_a_token_id_or_logit_row_out_of_range_is_refused_before_anything_is_written(headed_model):

@@ -18,9 +18,9 @@ same arithmetic, the threads forked once a step instead of once an op.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ from radixrt.memory.kv_cache import KVCache
 from radixrt.model.gguf_int4 import Int4Weight
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Int4LayerSteps:
     """One layer's packed 4-bit weights and norms, and the two calls that use them."""
 
@@ -62,6 +62,16 @@ class Int4LayerSteps:
             kernels, packed["qkv"], packed["o"], packed["gate_up"], packed["down"], input_norm, post_attention_norm,
             eps, (num_heads, num_kv_heads, head_dim),
         )  # fmt: skip
+
+    def packed_weights(self) -> tuple[cpu.PackedWeight, ...]:
+        """qkv, o, gate_up and down, in the order a step multiplies them."""
+        return (self.qkv, self.o, self.gate_up, self.down)
+
+    def with_packed_data(self, data: Iterator[torch.Tensor]) -> Int4LayerSteps:
+        """These steps with each packed weight's bytes the next of `data` (equal copies, in
+        `packed_weights` order)."""
+        qkv, o, gate_up, down = (packed._replace(data=next(data)) for packed in self.packed_weights())
+        return dataclasses.replace(self, qkv=qkv, o=o, gate_up=gate_up, down=down)
 
     def attention_inputs(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """[T, q + k + v heads, head_dim]: q and k rotated, as the torch layer computes them."""

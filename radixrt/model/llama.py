@@ -46,6 +46,7 @@ from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.segments import AttentionSegments, aligned_attention_segments, attention_segments
 from radixrt.kernels.shared_prefix import find_shared_prefixes
 from radixrt.kernels.torch_backend import TorchAttentionBackend
+from radixrt.memory import huge_pages
 from radixrt.model import gemma, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_int4 import Int4Weight, NativeWeights
@@ -333,16 +334,32 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.use_int4(weights, dense_loaded)
         self._native = True
-        attention = self._attention_kinds
-        if len(attention) == 1 and attention[0].sliding_window is None and attention[0].logit_softcap is None:
-            steps = [layer.int4_steps for layer in self._decoder_layers()]
-            self._stack = Int4DecodeStack.create(steps, self.config.intermediate_size)
         head = native.lm_head
         if head is not None:
             if head.shape != tuple(self.lm_head.shape):
                 raise ValueError(f"quantized LM head shape {head.shape}, model expects {tuple(self.lm_head.shape)}")
             self._invariant_lm_head = linear.lm_head(head, self.dtype)
             self._lm_head = linear.ByRows(self._invariant_lm_head, self._lm_head, INT4_MAX_ROWS)
+        self._packed_weights_side_by_side()
+        attention = self._attention_kinds
+        if len(attention) == 1 and attention[0].sliding_window is None and attention[0].logit_softcap is None:
+            steps = [layer.int4_steps for layer in self._decoder_layers()]
+            self._stack = Int4DecodeStack.create(steps, self.config.intermediate_size)
+
+    def _packed_weights_side_by_side(self) -> None:
+        """Every layer's packed 4-bit weights and the packed LM head moved into one buffer on
+        huge pages, in the order a step reads them (`memory.huge_pages`: a batch-1 step ~4% faster)."""
+        layers = self._decoder_layers()
+        steps = [layer.int4_steps for layer in layers if layer.int4_steps is not None]
+        if len(steps) != len(layers):
+            return
+        head = self._invariant_lm_head if isinstance(self._invariant_lm_head, linear.PackedLMHead) else None
+        weights = [packed.data for layer_steps in steps for packed in layer_steps.packed_weights()]
+        copies = iter(huge_pages.side_by_side(weights + ([head.packed.data] if head is not None else [])))
+        for layer, layer_steps in zip(layers, steps):
+            layer.int4_steps = layer_steps.with_packed_data(copies)
+        if head is not None:
+            head.packed = head.packed._replace(data=next(copies))
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LlamaForCausalLM:
         """After `.to()` and the like, the norm is the one the new dtype and device get at

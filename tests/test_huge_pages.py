@@ -1,0 +1,47 @@
+"""memory/huge_pages.py: the packed weights' shared buffer."""
+
+import gc
+
+import pytest
+import torch
+
+from radixrt.memory import huge_pages
+
+
+def test_copies_are_equal_in_order_aligned_and_independent_of_the_originals():
+    generator = torch.Generator().manual_seed(0)
+    originals = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+                 for shape in [(100,), (3, 70_000), (0,), (1,), (4, 4, 64)]]  # fmt: skip
+    expected = [tensor.clone() for tensor in originals]
+    copies = huge_pages.side_by_side(originals)
+    assert copies[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+    end = copies[0].data_ptr()
+    for copy, want in zip(copies, expected):
+        assert copy.shape == want.shape and torch.equal(copy, want)
+        if copy.numel():  # (torch gives an empty view no address)
+            assert copy.data_ptr() == end, "side by side, in order, each on the next 64-byte boundary"
+        end += -(-copy.numel() // huge_pages.ALIGNMENT) * huge_pages.ALIGNMENT
+    originals[1].zero_()
+    del originals
+    gc.collect()
+    assert all(torch.equal(copy, want) for copy, want in zip(copies, expected))
+    copies[3].fill_(7)  # the buffer is the copies' own, writable
+    assert copies[3].item() == 7 and torch.equal(copies[4], expected[4])
+
+
+def test_nothing_to_copy_gives_nothing():
+    assert huge_pages.side_by_side([]) == []
+    (empty,) = huge_pages.side_by_side([torch.empty(0, dtype=torch.uint8)])
+    assert empty.numel() == 0
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (torch.zeros(8, dtype=torch.int32), r"tensors\[1\]: expected a contiguous uint8 CPU tensor, got torch.int32"),
+        (torch.zeros(8, 8, dtype=torch.uint8).t(), r"tensors\[1\]: .*\(not contiguous\)"),
+    ],
+)
+def test_other_tensors_are_refused_by_position(bad, message):
+    with pytest.raises(ValueError, match=message):
+        huge_pages.side_by_side([torch.zeros(4, dtype=torch.uint8), bad])
