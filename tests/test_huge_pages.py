@@ -1,6 +1,7 @@
 """memory/huge_pages.py: the packed weights' shared buffer."""
 
 import gc
+import mmap
 
 import pytest
 import torch
@@ -45,3 +46,12 @@ def test_nothing_to_copy_gives_nothing():
 def test_other_tensors_are_refused_by_position(bad, message):
     with pytest.raises(ValueError, match=message):
         huge_pages.side_by_side([torch.zeros(4, dtype=torch.uint8), bad])
+
+
+def test_a_kernel_that_refuses_huge_pages_still_gets_its_copies(monkeypatch):
+    """Where madvise refuses the advice (EINVAL without transparent huge pages), the copies are
+    made on ordinary pages: loading a model must not fail for it."""
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)  # advice no kernel knows
+    tensor = torch.arange(200, dtype=torch.uint8)
+    (copy,) = huge_pages.side_by_side([tensor])
+    assert torch.equal(copy, tensor)

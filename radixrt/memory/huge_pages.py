@@ -45,7 +45,10 @@ def side_by_side(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     # stretches fault in as huge pages
     buffer = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without transparent huge pages: 4 KB pages, same bytes
+            pass
     whole = torch.frombuffer(buffer, dtype=torch.uint8)
     first = -whole.data_ptr() % HUGE_PAGE
     copies = []
