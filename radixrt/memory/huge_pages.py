@@ -39,7 +39,7 @@ def side_by_side(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for tensor in tensors:
         starts.append(total)
         total += -(-tensor.numel() // ALIGNMENT) * ALIGNMENT
-    if total == 0:
+    if total == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows has no anonymous mmap flags)
         return [tensor.clone() for tensor in tensors]
     # an anonymous mapping is untouched until copied into: asked for now, its 2 MB-aligned
     # stretches fault in as huge pages
