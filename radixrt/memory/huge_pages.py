@@ -1,4 +1,5 @@
-"""Bytes a decode step streams in full, kept side by side on 2 MB pages.
+"""Fresh anonymous memory for the big CPU buffers (the KV pool), and the bytes a
+decode step streams in full kept side by side in it on 2 MB pages.
 
 A batch-1 decode step reads every packed weight once, ~96 MB for the bundled
 model. Packed one by one, the weights sat on 4 KB pages wherever the
@@ -25,6 +26,22 @@ HUGE_PAGE = 2 << 20
 ALIGNMENT = 64  # each copy starts on a cache line, as the kernels' loads expect
 
 
+def anonymous_bytes(num_bytes: int, huge: bool = False) -> torch.Tensor | None:
+    """`num_bytes` of fresh private anonymous memory as a uint8 tensor that keeps it alive,
+    untouched (the kernel zeroes each page on first touch) and, if `huge`, advised onto huge
+    pages before that; None where the OS has no anonymous mappings (Windows)."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):
+        return None
+    # MAP_PRIVATE: a shared anonymous mapping is shmem, which gets no transparent huge pages
+    buffer = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without transparent huge pages: 4 KB pages, same bytes
+            pass
+    return torch.frombuffer(buffer, dtype=torch.uint8)[:num_bytes]
+
+
 def side_by_side(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `tensors` (contiguous uint8, on the CPU) in one buffer on huge pages where
     the OS has them, in order, each starting on a 64-byte boundary. The copies keep the
@@ -39,17 +56,10 @@ def side_by_side(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for tensor in tensors:
         starts.append(total)
         total += -(-tensor.numel() // ALIGNMENT) * ALIGNMENT
-    if total == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows has no anonymous mmap flags)
+    # untouched until copied into, its 2 MB-aligned stretches fault in as huge pages
+    whole = anonymous_bytes(total + HUGE_PAGE, huge=True) if total else None
+    if whole is None:
         return [tensor.clone() for tensor in tensors]
-    # an anonymous mapping is untouched until copied into: asked for now, its 2 MB-aligned
-    # stretches fault in as huge pages
-    buffer = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel built without transparent huge pages: 4 KB pages, same bytes
-            pass
-    whole = torch.frombuffer(buffer, dtype=torch.uint8)
     first = -whole.data_ptr() % HUGE_PAGE
     copies = []
     for tensor, start in zip(tensors, starts):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
 
 import torch
+
+from radixrt.memory.huge_pages import anonymous_bytes
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,7 @@ def _zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     took 0.6-3 s of a start on the project's 2-core VM (page faults), for
     pages most runs never use.
     """
-    if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows has no anonymous mmap flags)
+    memory = anonymous_bytes(torch.Size(size).numel() * dtype.itemsize) if device.type == "cpu" else None
+    if memory is None:
         return torch.zeros(size, dtype=dtype, device=device)
-    num_bytes = max(torch.Size(size).numel() * dtype.itemsize, 1)
-    memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=dtype, count=torch.Size(size).numel()).view(size)
+    return memory.view(dtype).view(size)

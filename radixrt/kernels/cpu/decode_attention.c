@@ -375,6 +375,13 @@ fail:
     return NULL;
 }
 
+/* The rows of item `it`'s block: from row it[3] of its segment on, block_rows of them or, for the
+ * segment's last block, what is left. */
+static int64_t block_size(const AttentionWork *w, const int64_t *it) {
+    const int64_t left = segment_rows(&w->seg, (int)it[0]) - it[3];
+    return left < w->block_rows ? left : w->block_rows;
+}
+
 /* One item's partial results, for bf16 (f32 = 0) or float32 (f32 = 1) data: inlined with a literal. */
 static inline __attribute__((always_inline)) void run_item_of(
     AttentionWork *w, int64_t item, const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool,
@@ -383,8 +390,8 @@ static inline __attribute__((always_inline)) void run_item_of(
     const Segments *seg = &w->seg;
     const int64_t *it = w->items + 4 * item;
     const int s = (int)it[0], first_head = (int)it[1];
-    const int64_t c = it[2], p0 = it[3], rows = segment_rows(seg, s);
-    const int nb = (int)(p0 + w->block_rows <= rows ? w->block_rows : rows - p0);
+    const int64_t c = it[2], p0 = it[3];
+    const int nb = (int)block_size(w, it);
     const int group = w->group, head_dim = seg->head_dim, vectors = nb * group;
     const int64_t k0 = c * CHUNK, k1 = k0 + CHUNK < seg->lens[s] ? k0 + CHUNK : seg->lens[s];
     const int64_t *slots = kv_indices + seg->starts[s];
@@ -468,8 +475,7 @@ static void merge_finished_rows(AttentionWork *w, int64_t item, void *out, float
     const Segments *seg = &w->seg;
     const int64_t *it = w->items + 4 * item;
     const int s = (int)it[0], first_head = (int)it[1], hkv = seg->num_kv_heads;
-    const int64_t p0 = it[3], rows = segment_rows(seg, s);
-    const int64_t p1 = p0 + w->block_rows < rows ? p0 + w->block_rows : rows;
+    const int64_t p0 = it[3], p1 = p0 + block_size(w, it);
     for (int64_t p = p0; p < p1; p++) {
         const int64_t row = seg->rows[seg->row_ptr[s] + p];
         for (int h = first_head; h < first_head + w->heads_per_item; h++) {

@@ -125,9 +125,9 @@ static inline uint32_t load_pair(const uint16_t *p) {
  * In a share's last block the requests run past the thread's tiles (into the other thread's, or
  * past the weight). Keeping them within the share (a compare and branch each) made a batch-1
  * step 1.076x slower in fast minutes in an A/B of the two builds (185 runs each), and sending
- * them into the thread's share of the next product 1.20-1.22x slower than that; test builds with either
- * switched on and off had shown gains, with the check's instructions in both settings: this
- * function runs once per load of codes.
+ * them into the thread's share of the next product 1.20-1.22x slower than that; test builds with
+ * either switched on and off had shown gains, with the check's instructions in both settings:
+ * this function runs once per load of codes.
  * A 4-bit block is 5 lines read over 8 chunks: its far requests go out with chunks 2-6 rather
  * than beside the near ones in chunks 0-4, so the group's requests are spread over its work
  * (0.977x over 54 fast-minute rounds, 0.972x and 0.991x slow; 1 or 3 chunks later 0.982-0.988x).
