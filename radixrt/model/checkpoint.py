@@ -29,10 +29,9 @@ _DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 
 
-def checkpoint_bytes(folder: Path, exclude: str) -> int:
-    """Bytes of the folder's weight files (all but the file named `exclude`)."""
-    return sum(f.stat().st_size for pattern in ("*.safetensors", "pytorch_model*.bin") for f in folder.glob(pattern)
-               if f.name != exclude)
+def checkpoint_bytes(folder: Path) -> int:
+    """Bytes of the folder's weight files."""
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "pytorch_model*.bin") for f in folder.glob(pattern))
 
 
 def checkpoint_weights(folder: Path) -> Mapping[str, torch.Tensor]:

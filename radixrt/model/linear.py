@@ -91,13 +91,21 @@ def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = Non
     kernel = _own_kernel(weight, dtype)
     if kernel is None:
         return _torch_int4(weight, dtype, bias)
-    packed = kernel.pack_int4(weight.codes, weight.scales, weight.offsets)
+    return packed(kernel.pack_int4(weight.codes, weight.scales, weight.offsets), bias)
+
+
+def packed(weight: cpu.PackedWeight, bias: torch.Tensor | None = None) -> Linear:
+    """`x @ w.T (+ bias)` for bf16 rows through radixrt's quantized kernel, over a weight already in
+    its layout (`Int4LayerSteps`' own, so a layer holds its projections once)."""
+    kernel = cpu.quantized_matmul()
+    if kernel is None:
+        raise ValueError("radixrt's quantized matmul is not available: it needs a C compiler and AVX512-BF16")
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        out = kernel(_rows(x, weight.shape[1]), packed)
+        out = kernel(_rows(x, x.shape[-1]), weight)
         if bias is not None:
             out = out + bias
-        return out.view(*x.shape[:-1], packed.num_rows)
+        return out.view(*x.shape[:-1], weight.num_rows)
 
     return linear
 
@@ -173,26 +181,6 @@ def _summed_in_float32(parts: list[Linear]) -> Linear:
         return out
 
     return linear
-
-
-class ByRows:
-    """`small` for inputs of at most `max_small_rows` rows, else `large`.
-
-    torch's 4-bit CPU kernel wins where reading the weights dominates (decode
-    of a few sequences) and loses to the dense bf16 GEMM on prefill-sized
-    inputs (bench/model_bench.py: 0.63x on a 512-token prefill). `choose`
-    says which a number of rows gets, for a caller that runs it elsewhere (the
-    whole-step kernel takes the LM head into its own call).
-    """
-
-    def __init__(self, small: Linear, large: Linear, max_small_rows: int):
-        self.small, self.large, self.max_small_rows = small, large, max_small_rows
-
-    def choose(self, num_rows: int) -> Linear:
-        return self.small if num_rows <= self.max_small_rows else self.large
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.choose(x.numel() // x.shape[-1])(x)
 
 
 # The packing parameter torch's CPU int4 kernel takes; it accepts 2 for every K that is a multiple of 32.

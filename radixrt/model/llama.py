@@ -49,15 +49,15 @@ from radixrt.kernels.torch_backend import TorchAttentionBackend
 from radixrt.memory import huge_pages
 from radixrt.model import gemma, linear
 from radixrt.model.config import ModelConfig
-from radixrt.model.gguf_int4 import Int4Weight, NativeWeights
+from radixrt.model.gguf_int4 import Int4Weight, Int8Weight, NativeWeights
 from radixrt.model.int4_layer import Int4DecodeStack, Int4LayerSteps
 from radixrt.model.rope import RotaryEmbedding
 
 
-# With native 4-bit weights, steps of at most this many tokens use them layer by
-# layer; larger ones (prefills, big decode batches) use the dense weights, where
-# the dense GEMM is faster (bench/model_bench.py: 4-bit wins at batch 1 and 8,
-# loses at 32).
+# With native 4-bit weights, steps of at most this many tokens run a plain Llama
+# layer in two C calls (`Int4LayerSteps`); larger ones (prefills, big decode
+# batches) run the layer's torch ops over the same packed weights: no dense
+# copy is kept, so they are slower than a dense bf16 GEMM (docs/benchmarks.md).
 INT4_MAX_ROWS = 16
 # ... and steps of at most this many the whole-stack kernel runs, when it applies:
 # without ~30 torch ops a layer it beats the dense path at 24-64 tokens too
@@ -67,6 +67,8 @@ STACK_MAX_ROWS = 64
 
 
 RMSNorm = Callable[..., torch.Tensor]  # (hidden, weight, eps, residual=None) -> normed
+# the parameter that holds each fused projection's dense weight
+_PROJECTION_PARAMETERS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 
 
 @dataclass(frozen=True)
@@ -78,14 +80,6 @@ class StackedStep:
 
 
 StepPlan = Mapping[LayerAttention, Any] | StackedStep
-
-
-@torch.no_grad()
-def _dense_from_codes(weight: Int4Weight, dense: torch.Tensor, bias: torch.Tensor | None) -> linear.Linear:
-    """The dense projection `dense` filled from 4-bit codes and prepacked: the same values the
-    checkpoint holds (the GGUF conversion wrote exactly these de-quantized weights; tested)."""
-    dense.copy_(weight.dequantize())
-    return linear.pack(dense, bias)
 
 
 def _packed_on_first_call(weight: torch.Tensor, bias: torch.Tensor | None = None) -> linear.Linear:
@@ -122,7 +116,8 @@ class LlamaDecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, index: int, device: torch.device, dtype: torch.dtype, rms_norm: RMSNorm
+        self, config: ModelConfig, index: int, device: torch.device, dtype: torch.dtype, rms_norm: RMSNorm,
+        dense_projections: bool = True,
     ):
         super().__init__()
         self.index = index
@@ -131,9 +126,12 @@ class LlamaDecoderLayer(nn.Module):
         hidden, head_dim = config.hidden_size, config.head_dim
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * head_dim
         self.input_norm = _weight(hidden, device=device, dtype=dtype)
-        self.qkv_proj = _weight(qkv_rows, hidden, device=device, dtype=dtype)
+        # without `dense_projections` each projection is an empty placeholder until a loader sets it
+        # (`set_dense_projection`) or replaces it by quantized weights (`use_int4`)
+        shapes = self.projection_shapes() if dense_projections else dict.fromkeys(_PROJECTION_PARAMETERS, (0,))
+        self.qkv_proj = _weight(*shapes["qkv"], device=device, dtype=dtype)
         self.qkv_bias = _weight(qkv_rows, device=device, dtype=dtype) if config.attention_bias else None
-        self.o_proj = _weight(hidden, config.num_heads * head_dim, device=device, dtype=dtype)
+        self.o_proj = _weight(*shapes["o"], device=device, dtype=dtype)
         self.o_bias = _weight(hidden, device=device, dtype=dtype) if config.o_proj_bias else None
         self.q_norm = _weight(head_dim, device=device, dtype=dtype) if config.qk_norm else None
         self.k_norm = _weight(head_dim, device=device, dtype=dtype) if config.qk_norm else None
@@ -143,8 +141,8 @@ class LlamaDecoderLayer(nn.Module):
         self.activation = gemma.gelu_tanh if config.hidden_act == "gelu_pytorch_tanh" else F.silu
         scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
         self.attention = LayerAttention(config.layer_window(index), scale, config.attn_logit_softcapping)
-        self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, device=device, dtype=dtype)
-        self.down_proj = _weight(hidden, config.intermediate_size, device=device, dtype=dtype)
+        self.gate_up_proj = _weight(*shapes["gate_up"], device=device, dtype=dtype)
+        self.down_proj = _weight(*shapes["down"], device=device, dtype=dtype)
         self._bind_linears(linear.plain)
         self.int4_steps: Int4LayerSteps | None = None  # decode-sized steps in C (`use_int4`)
         # (qkv, o, gate_up, down) for deterministic steps (`use_rowwise`)
@@ -169,36 +167,54 @@ class LlamaDecoderLayer(nn.Module):
         """Build the batch-invariant projections deterministic steps use (`linear.rowwise`)."""
         self.rowwise = self._projections(linear.rowwise)
 
-    def use_int4(self, weights: dict[str, Int4Weight], dense_loaded: bool = True) -> None:
-        """Multiply by 4-bit weights in small steps. `dense_loaded` False: the dense projections were
-        not read from the checkpoint; they are built from the codes if a step ever needs them."""
-        projections = {"qkv": (self.qkv_proj, self.qkv_bias), "o": (self.o_proj, self.o_bias),
-                       "gate_up": (self.gate_up_proj, None), "down": (self.down_proj, None)}  # fmt: skip
-        for name, (dense, _) in projections.items():
-            if weights[name].shape != tuple(dense.shape):
-                raise ValueError(f"layer {self.index} {name}: 4-bit shape {weights[name].shape}, "
-                                 f"model expects {tuple(dense.shape)}")
-        if not dense_loaded:
-            for name, (dense, bias) in projections.items():
-                build = functools.partial(_dense_from_codes, weights[name], dense, bias)
-                setattr(self, name, linear.on_first_call(build))
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """[rows, inputs] of the fused projections "qkv", "o", "gate_up" and "down"."""
+        config, hidden, head_dim = self.config, self.config.hidden_size, self.config.head_dim
+        return {"qkv": ((config.num_heads + 2 * config.num_kv_heads) * head_dim, hidden),
+                "o": (hidden, config.num_heads * head_dim), "gate_up": (2 * config.intermediate_size, hidden),
+                "down": (hidden, config.intermediate_size)}  # fmt: skip
+
+    def set_dense_projection(self, name: str, weight: torch.Tensor) -> None:
+        """Make `weight` (its rows fused as the layer's are) the dense projection `name`, multiplied
+        by as loaded (call `prepack` afterwards for the packed matmul)."""
+        if tuple(weight.shape) != self.projection_shapes()[name]:
+            raise ValueError(f"layer {self.index} {name}: shape {tuple(weight.shape)}, model expects "
+                             f"{self.projection_shapes()[name]}")
+        setattr(self, _PROJECTION_PARAMETERS[name], nn.Parameter(weight, requires_grad=False))
+        self._bind_linears(linear.plain)
+
+    def use_int4(self, weights: dict[str, Int4Weight]) -> None:
+        """Multiply by these 4-bit projections (any of "qkv", "o", "gate_up", "down") at every step
+        size; the others stay dense. Their dense parameters are dropped: a projection that runs
+        quantized is held once, in the kernel's layout, never beside a dense copy."""
+        shapes = self.projection_shapes()
+        for name, weight in weights.items():
+            if weight.shape != shapes[name]:
+                raise ValueError(f"layer {self.index} {name}: 4-bit shape {weight.shape}, model expects {shapes[name]}")
+        dtype, device = self.input_norm.dtype, self.input_norm.device
+        for name in weights:
+            setattr(self, _PROJECTION_PARAMETERS[name], _weight(0, device=device, dtype=dtype))
         config = self.config
         plain_llama = (self.q_norm is None and self.qkv_bias is None and self.o_bias is None
                        and self.pre_feedforward_norm is None and self.activation is F.silu
                        and config.rotary_dim == config.head_dim and config.local_rope_theta is None)
-        if plain_llama:
-            self.int4_steps = Int4LayerSteps.create(
+        if plain_llama and len(weights) == len(shapes):
+            steps = Int4LayerSteps.create(
                 weights, self.input_norm, self.post_attention_norm, config.rms_norm_eps, config.num_heads,
                 config.num_kv_heads, config.head_dim,
             )  # fmt: skip
-            if self.int4_steps is not None:
-                return  # the dense projections stay for larger steps
-        dtype = self.input_norm.dtype
-        rows = INT4_MAX_ROWS
-        self.qkv = linear.ByRows(linear.int4(weights["qkv"], dtype, self.qkv_bias), self.qkv, rows)
-        self.o = linear.ByRows(linear.int4(weights["o"], dtype, self.o_bias), self.o, rows)
-        self.gate_up = linear.ByRows(linear.int4(weights["gate_up"], dtype), self.gate_up, rows)
-        self.down = linear.ByRows(linear.int4(weights["down"], dtype), self.down, rows)
+            if steps is not None:
+                self.use_int4_steps(steps)
+                return
+        biases = {"qkv": self.qkv_bias, "o": self.o_bias}
+        for name, weight in weights.items():
+            setattr(self, name, linear.int4(weight, dtype, biases.get(name)))
+
+    def use_int4_steps(self, steps: Int4LayerSteps) -> None:
+        """Run small steps in `steps`' two C calls, and larger ones through the same packed
+        weights one projection at a time (no dense copy of them exists)."""
+        self.int4_steps = steps
+        self.qkv, self.o, self.gate_up, self.down = (linear.packed(packed) for packed in steps.packed_weights())
 
     def forward(
         self,
@@ -274,7 +290,8 @@ class LlamaForCausalLM(nn.Module):
     Parameters are created empty; fill them with `load_hf_state_dict`.
     """
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 dense_projections: bool = True):
         super().__init__()
         device = torch.device(device)
         self.config = config
@@ -282,7 +299,8 @@ class LlamaForCausalLM(nn.Module):
         self.rms_norm = gemma.rms_norm if config.is_gemma else _rms_norm_for(device, dtype)
         self.embedding_scale = gemma.embedding_scale(config.hidden_size, dtype) if config.is_gemma else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, device, dtype, self.rms_norm) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, device, dtype, self.rms_norm, dense_projections)
+            for i in range(config.num_layers)
         )
         self.norm = _weight(config.hidden_size, device=device, dtype=dtype)
         self.lm_head = (
@@ -318,28 +336,27 @@ class LlamaForCausalLM(nn.Module):
                 layer.prepack()
         self._lm_head = _packed_on_first_call(self.lm_head)
 
-    def use_int4_projections(self, native: NativeWeights, dense_loaded: bool = True) -> None:
-        """Multiply by 4-bit weights (`gguf_int4.load_projections`) in steps of few tokens.
-
-        Call after `prepack`: the dense projections stay for steps of more
-        than `INT4_MAX_ROWS` tokens (the embedding and norms are dense anyway);
-        `dense_loaded` False (they were not read: `prepack(projections=False)`)
-        builds them from the codes the first time a step needs them.
-        The LM head goes native too when the file stores it as Q4_0, Q4_1 or
-        Q8_0; its dense copy stays for the embedding lookup.
-        """
+    def use_int4_projections(self, native: NativeWeights) -> None:
+        """Multiply by 4-bit weights at every step size: each layer's `use_int4`, then `finish_int4`
+        with the file's LM head. Call after `prepack`."""
         if len(native.layers) != len(self.layers):
             raise ValueError(f"got 4-bit weights for {len(native.layers)} layers, the model has {len(self.layers)}")
-        for layer, weights in zip(self.layers, native.layers):
-            assert isinstance(layer, LlamaDecoderLayer)
-            layer.use_int4(weights, dense_loaded)
+        for layer, weights in zip(self._decoder_layers(), native.layers):
+            layer.use_int4(weights)
+        self.finish_int4(native.lm_head)
+
+    def finish_int4(self, head: Int4Weight | Int8Weight | None) -> None:
+        """Once every layer that has 4-bit projections got them (`LlamaDecoderLayer.use_int4`): the
+        LM head as the file stores it (None: a type without a kernel, it stays dense), the packed
+        weights side by side, and the whole-step kernel where every layer can run in it.
+        A quantized head serves every step; its dense twin, if the embedding is tied, is only
+        looked up, never multiplied by."""
         self._native = True
-        head = native.lm_head
         if head is not None:
             if head.shape != tuple(self.lm_head.shape):
                 raise ValueError(f"quantized LM head shape {head.shape}, model expects {tuple(self.lm_head.shape)}")
             self._invariant_lm_head = linear.lm_head(head, self.dtype)
-            self._lm_head = linear.ByRows(self._invariant_lm_head, self._lm_head, INT4_MAX_ROWS)
+            self._lm_head = self._invariant_lm_head
         self._packed_weights_side_by_side()
         attention = self._attention_kinds
         if len(attention) == 1 and attention[0].sliding_window is None and attention[0].logit_softcap is None:
@@ -358,7 +375,7 @@ class LlamaForCausalLM(nn.Module):
         weights = [packed.data for layer_steps in steps for packed in layer_steps.packed_weights()]
         copies = iter(huge_pages.side_by_side(weights + ([head.packed.data] if head is not None else [])))
         for layer, layer_steps in zip(layers, steps):
-            layer.int4_steps = layer_steps.with_packed_data(copies)
+            layer.use_int4_steps(layer_steps.with_packed_data(copies))
         if head is not None:
             head.packed = head.packed._replace(data=next(copies))
 
@@ -553,7 +570,7 @@ class LlamaForCausalLM(nn.Module):
         """The LM head `compute_logits` multiplies `num_rows` rows by."""
         head = self._invariant_lm_head if deterministic else self._lm_head
         assert head is not None, "check deterministic_problem first"
-        return head.choose(num_rows) if isinstance(head, linear.ByRows) else head
+        return head
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], projections: bool = True) -> None:

@@ -1,12 +1,13 @@
 """Load a checkpoint into our model: a Hugging Face folder, a .gguf file, or the bundled SmolLM2.
 
-transformers reads configs, tokenizers (with their chat templates) and, for
-GGUF, de-quantizes weights; our `LlamaForCausalLM` runs them. A GGUF file is
-converted once into a cached Hugging Face folder (see `gguf_cache`), so every
-load ends up reading a folder: config.json, safetensors (or .bin) weights,
-tokenizer files. What transformers read from a folder's config and tokenizer
-is recorded on the first load (`start_record`), so later loads need not
-import it.
+transformers reads configs and tokenizers (with their chat templates); our
+`LlamaForCausalLM` runs them. A GGUF file of a Llama-family model
+(`general.architecture` "llama", the bundled SmolLM2 among them) is read
+directly, its tensors memory-mapped (`gguf_loader`); a GGUF of another
+supported architecture is still converted once, through transformers, into
+a cached Hugging Face folder (`gguf_cache`), with a warning. What transformers
+read from a folder's config and tokenizer, or a GGUF's metadata, is recorded
+on the first load (`start_record`), so later loads need not import it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from typing import Any
 
 import torch
 
+from radixrt.memory.kv_cache import KVShape
+from radixrt.model import gguf_loader
 from radixrt.model.checkpoint import checkpoint_bytes, checkpoint_weights
-from radixrt.model.config import ModelConfig
+from radixrt.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixrt.model.gguf_cache import gguf_to_hf_folder
-from radixrt.model.gguf_int4 import CACHE_FILE, SUPPORTED_TYPES, has_int4_projections, load_projections
+from radixrt.model.gguf_file import GGUFFile
+from radixrt.model.gguf_int4 import SUPPORTED_TYPES
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.start_record import read_record, write_record
 from radixrt.model.tokenizer import Tokenizer
@@ -61,8 +65,8 @@ _LOAD_BYTES_PER_S = 400 * 2**20
 class LoadedModel:
     """A ready model: our module (on its device, in its dtype) plus what surrounds it.
 
-    `path` is the folder the weights were read from (for a GGUF: its cache
-    folder), which transformers can also load, e.g. as a reference in tests.
+    `path` is the folder or GGUF file the weights were read from (for a GGUF
+    of an architecture read through transformers: its converted folder).
     `hf_config` is the transformers config, read on first access.
     """
 
@@ -73,7 +77,7 @@ class LoadedModel:
     tokenizer: Any
     name: str
     path: Path
-    weights: str = "dense"  # or "native": the projections are the GGUF file's 4-bit codes
+    weights: str = "dense"  # or "native": projections (and LM head) run as the GGUF file stores them
     read_hf_config: Callable[[], Any] = field(kw_only=True, repr=False, compare=False)
 
     @property
@@ -158,17 +162,21 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     weights: str = "dense",
+    kv_pool_bytes: Callable[[KVShape], int] | None = None,
 ) -> LoadedModel:
     """Load `model` (a HF folder, a .gguf file, or None for the bundled SmolLM2) onto `device`.
 
-    `weights="native"` keeps a GGUF file's 4-bit projections as they are
-    stored and multiplies by them directly (CPU; see `gguf_int4`); "dense"
-    expands every weight to `dtype`; "auto" is native where that is faster
-    (a GGUF file with 4-bit projections, on the CPU, in bfloat16: torch's
-    float32 4-bit kernel is slow) and dense elsewhere.
+    `weights="native"` runs a GGUF file's quantized projections and LM head
+    as they are stored (CPU; see `gguf_loader`); "dense" expands every weight
+    to `dtype`; "auto" is native where that is faster (a GGUF file with
+    Q4_0/Q4_1 projections, on the CPU, in bfloat16: torch's float32 4-bit
+    kernel is slow) and dense elsewhere. `kv_pool_bytes(kv_shape)`, if given,
+    is the KV pool the caller will allocate: a GGUF load checks that the
+    weights and that pool fit in memory before allocating either.
 
     Raises FileNotFoundError for a missing path, weights or tokenizer files, ValueError for an
-    unsupported architecture/dtype/device/weights or a GGUF without tokenizer data.
+    unsupported architecture/dtype/device/weights, a malformed GGUF, a GGUF without tokenizer
+    data, or too little memory.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
@@ -186,50 +194,65 @@ def load_model(
             f"model path {str(source)!r} does not exist; pass a Hugging Face folder (config.json, "
             "weights, tokenizer), a .gguf file, or None for the bundled SmolLM2 (hub ids are not downloaded)"
         )
-    if source.is_file():
-        if source.suffix != ".gguf":
-            raise ValueError(f"model file {str(source)!r} is not a .gguf file; pass a .gguf file or a folder")
-        folder = gguf_to_hf_folder(source)
-    else:
-        folder = source
+    if source.is_file() and source.suffix != ".gguf":
+        raise ValueError(f"model file {str(source)!r} is not a .gguf file; pass a .gguf file or a folder")
+    file = _checked_gguf(source) if source.is_file() else None
     if weights == "auto":
-        weights = "native" if _native_is_faster(source, folder, resolved_device, resolved_dtype) else "dense"
+        native = (file is not None and gguf_loader.is_native_architecture(file) and resolved_device.type == "cpu"
+                  and resolved_dtype == torch.bfloat16 and gguf_loader.has_native_projections(file))
+        weights = "native" if native else "dense"
     if weights == "native":
-        if not source.is_file():
+        if file is None or not gguf_loader.is_native_architecture(file):
             raise ValueError(
-                f"weights='native' needs a GGUF model with {' or '.join(SUPPORTED_TYPES)} projections; "
-                f"{name} is a Hugging Face folder (use weights='dense')"
+                f"weights='native' needs a GGUF model of architecture {', '.join(gguf_loader.NATIVE_ARCHITECTURES)} "
+                f"with {' or '.join(SUPPORTED_TYPES)} projections; {name} is "
+                f"{'a Hugging Face folder' if file is None else repr(file.architecture)} (use weights='dense')"
             )
         if resolved_device.type != "cpu":
-            raise ValueError(f"weights='native' runs on the CPU (torch's 4-bit CPU kernel); device is {resolved_device}")
-    # native: the dense projections are built from the 4-bit codes only if a step needs them
-    dense_projections = weights != "native"
-    loaded = _load_folder(folder, name, resolved_device, resolved_dtype, dense_projections)
-    if weights == "native":
-        started = time.perf_counter()
-        cached = (folder / CACHE_FILE).is_file()
-        logger.info(
-            "reading %s's 4-bit projections to multiply by them as stored (%s)", name,
-            "from the cache, about a second" if cached
-            else "parsing the GGUF file once, roughly 10-20 s; later starts read a cache",
+            raise ValueError(f"weights='native' runs on the CPU (the 4-bit CPU kernels); device is {resolved_device}")
+    if file is not None and gguf_loader.is_native_architecture(file):
+        return _load_gguf(file, name, resolved_device, resolved_dtype, weights == "native", kv_pool_bytes)
+    if file is not None:
+        logger.warning("%s: GGUF architecture %r is not read directly yet (only %s): converting it through "
+                       "transformers into a cached fp32 folder", name, file.architecture,
+                       ", ".join(gguf_loader.NATIVE_ARCHITECTURES))
+        del file  # its memory map: the conversion reads the file again
+        return _load_folder(gguf_to_hf_folder(source), name, resolved_device, resolved_dtype)
+    return _load_folder(source, name, resolved_device, resolved_dtype)
+
+
+def _checked_gguf(path: Path) -> GGUFFile:
+    """The parsed file, if it is one radixrt can load: a supported architecture with tokenizer data."""
+    file = GGUFFile(path)
+    supported = [*gguf_loader.NATIVE_ARCHITECTURES,
+                 *(a for a in dict.fromkeys(SUPPORTED_ARCHITECTURES.values()) if a not in gguf_loader.NATIVE_ARCHITECTURES)]
+    if file.architecture not in supported:
+        raise ValueError(f"{path}: unsupported GGUF architecture {file.architecture!r}; supported: "
+                         f"{', '.join(supported)}")
+    if "tokenizer.ggml.model" not in file.metadata or "tokenizer.ggml.tokens" not in file.metadata:
+        raise ValueError(
+            f"{path} has no tokenizer data (tokenizer.ggml.*); radixrt needs a GGUF with an embedded "
+            "tokenizer, or a Hugging Face folder with tokenizer files"
         )
-        loaded.model.use_int4_projections(load_projections(source, folder, loaded.config), dense_projections)
-        loaded = dataclasses.replace(loaded, weights="native")
-        logger.info("4-bit projections ready in %.1f s", time.perf_counter() - started)
-    return loaded
+    return file
 
 
-def _native_is_faster(source: Path, folder: Path, device: torch.device, dtype: torch.dtype) -> bool:
-    if not (source.is_file() and device.type == "cpu" and dtype == torch.bfloat16):
-        return False
-    if (folder / CACHE_FILE).is_file():
-        return True
-    logger.info("reading %s's tensor types: 4-bit projections run faster as stored on this CPU", source.name)
-    return has_int4_projections(source)
+def _load_gguf(file: GGUFFile, name: str, device: torch.device, dtype: torch.dtype, native: bool,
+               kv_pool_bytes: Callable[[KVShape], int] | None) -> LoadedModel:
+    started = time.perf_counter()
+    config, tokenizer, read_hf_config = gguf_loader.config_and_tokenizer(file)
+    plan = gguf_loader.plan_tensors(file, config, native)
+    gguf_loader.check_memory(file, plan, config, device, dtype, kv_pool_bytes)
+    logger.info("loading %s: %.0f MB of GGUF tensors from %s as %s on %s, %s", name, file.path.stat().st_size / 2**20,
+                file.path, str(dtype).removeprefix("torch."), device,
+                "quantized projections as stored" if native else "every weight dense")
+    model = gguf_loader.build_model(file, plan, config, device, dtype)
+    logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=file.path,
+                       weights="native" if native else "dense", read_hf_config=read_hf_config)
 
 
-def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype,
-                 projections: bool = True) -> LoadedModel:
+def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder")
     if not any((folder / file).is_file() for file in _TOKENIZER_FILES):
@@ -237,7 +260,7 @@ def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dty
             f"{folder} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); radixrt needs the "
             "model's tokenizer beside its weights: copy it from the model's original repository"
         )
-    started, num_bytes = time.perf_counter(), checkpoint_bytes(folder, exclude=CACHE_FILE)
+    started, num_bytes = time.perf_counter(), checkpoint_bytes(folder)
     logger.info(
         "loading %s: %.0f MB of weights from %s as %s on %s, roughly %.0f s",
         name, num_bytes / 2**20, folder, str(dtype).removeprefix("torch."), device,
@@ -246,8 +269,8 @@ def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dty
     config, tokenizer, read_hf_config = _config_and_tokenizer(folder)
     weights = checkpoint_weights(folder)
     model = LlamaForCausalLM(config, device=device, dtype=dtype)
-    model.load_hf_state_dict(weights, projections)
-    model.prepack(projections)
+    model.load_hf_state_dict(weights)
+    model.prepack()
     logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=folder,
                        read_hf_config=read_hf_config)

@@ -1,4 +1,5 @@
-"""A model folder's config and tokenizer as transformers reads them, recorded so later starts skip transformers.
+"""A model folder's (or GGUF file's) config and tokenizer as transformers reads them, recorded so later
+starts skip transformers.
 
 Importing transformers and reading a folder through it (config, tokenizer)
 takes seconds on the project's 2-core machine (docs/model.md); the weights
@@ -11,7 +12,8 @@ and records what it read; later loads build `ModelConfig` and the
 
 `<key>` hashes the record format, the installed transformers version,
 `radixrt/model/config.py` (the code that reads a config) and every file of
-the folder except weights, name and bytes: a change to any of them makes a
+the folder except weights, name and bytes (for a GGUF file: its header and
+metadata, which hold config and tokenizer): a change to any of them makes a
 new record, read through transformers once. The folder keeps the
 `MAX_RECORDS` most recently used records (a read refreshes a record's time):
 without a bound, every temporary model folder a test suite makes, and every
@@ -37,6 +39,7 @@ from typing import Any
 
 from radixrt.model import config as config_module
 from radixrt.model.config import ModelConfig
+from radixrt.model.gguf_file import GGUFFile
 from radixrt.model.tokenizer import TokenizerRecord
 from radixrt.paths import cache_root
 
@@ -60,20 +63,25 @@ class StartRecord:
         return ModelConfig.from_hf(SimpleNamespace(**self.config))
 
 
-def record_path(folder: Path) -> Path:
-    """Where the record of `folder`'s current files lives (it may not exist yet)."""
+def record_path(source: Path | GGUFFile) -> Path:
+    """Where the record of a folder's current files, or of a GGUF file's metadata, lives (it may not
+    exist yet). A GGUF's header and metadata are what transformers reads its config and tokenizer
+    from; its tensors are not hashed."""
     digest = hashlib.sha256(f"radixrt-start-record-v{_FORMAT}:{_transformers_version()}:".encode())
     digest.update(Path(config_module.__file__).read_bytes())
-    for path in sorted(folder.iterdir()):
+    if isinstance(source, GGUFFile):
+        digest.update(b"\0gguf\0" + source.metadata_bytes())
+        return cache_root() / "start" / f"{source.path.stem}-{digest.hexdigest()[:16]}.json"
+    for path in sorted(source.iterdir()):
         if path.is_file() and path.suffix not in _WEIGHT_SUFFIXES:
             digest.update(f"\0{path.name}\0{path.stat().st_size}\0".encode())
             digest.update(path.read_bytes())
-    return cache_root() / "start" / f"{folder.name}-{digest.hexdigest()[:16]}.json"
+    return cache_root() / "start" / f"{source.name}-{digest.hexdigest()[:16]}.json"
 
 
-def read_record(folder: Path) -> StartRecord | None:
-    """The record for `folder`'s files as they are now, or None (none yet, or unreadable)."""
-    path = record_path(folder)
+def read_record(source: Path | GGUFFile) -> StartRecord | None:
+    """The record for a folder's files (a GGUF's metadata) as they are now, or None (none yet, or unreadable)."""
+    path = record_path(source)
     try:
         data = json.loads(path.read_text())
         if data.get("format") != _FORMAT:
@@ -86,14 +94,16 @@ def read_record(folder: Path) -> StartRecord | None:
         return None
 
 
-def write_record(folder: Path, hf_config: Any, model_config: ModelConfig, hf_tokenizer: Any) -> StartRecord | None:
-    """Record what transformers read from `folder`, if the record reproduces it; None if it would not.
+def write_record(source: Path | GGUFFile, hf_config: Any, model_config: ModelConfig,
+                 hf_tokenizer: Any) -> StartRecord | None:
+    """Record what transformers read from a folder (a GGUF file), if the record reproduces it; None if it would not.
 
     A cache that cannot be written only costs the next start its speed-up.
     """
+    name = source.path.name if isinstance(source, GGUFFile) else source.name
     tokenizer = TokenizerRecord.of(hf_tokenizer)
     if tokenizer is None:
-        logger.info("%s: its tokenizer (%s) is read through transformers on every start", folder.name,
+        logger.info("%s: its tokenizer (%s) is read through transformers on every start", name,
                     type(hf_tokenizer).__name__)
         return None
     try:
@@ -102,9 +112,9 @@ def write_record(folder: Path, hf_config: Any, model_config: ModelConfig, hf_tok
     except (TypeError, ValueError, AttributeError):  # a config that does not round-trip through JSON
         reproduced = False
     if not reproduced:
-        logger.info("%s: its config is read through transformers on every start", folder.name)
+        logger.info("%s: its config is read through transformers on every start", name)
         return None
-    path = record_path(folder)
+    path = record_path(source)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +123,7 @@ def write_record(folder: Path, hf_config: Any, model_config: ModelConfig, hf_tok
         _prune(path.parent)
     except OSError as error:
         logger.warning("could not write %s (%s); later starts read %s through transformers again", path, error,
-                       folder.name)
+                       name)
         tmp.unlink(missing_ok=True)
     return record
 
