@@ -16,7 +16,7 @@ Fixtures (all CPU, fp32 unless said otherwise):
                                   ($RADIXRT_CACHE_DIR or ~/.cache/radixrt), later runs reuse it.
                                   Loading takes seconds, so tests share it: Runtime(smollm2, ...)
                                   runs over these weights with its own KV pool
-    smollm2_hf           session  transformers model with the same weights (from smollm2.path)
+    smollm2_hf           session  transformers model read from the same GGUF file
     make_runner          function factory: (model, num_pages, page_size=1, backend="torch")
                                   -> (ModelRunner, PagePool) over a fresh KV pool
     paged_greedy         function callable: (runner, pool, prompts, max_new_tokens) -> token
@@ -183,7 +183,10 @@ def smollm2() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2: LoadedModel) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm2.path, dtype=torch.float32).eval()
+    # transformers' own reading of the GGUF file: the reference our direct reading must equal
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2.path.parent, gguf_file=smollm2.path.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from radixrt.model import gguf_cache
+from radixrt.model import gguf_cache, gguf_loader
 from radixrt.model.loader import (
     BUNDLED_MODEL_NAME,
+    bundled_model_path,
     default_cpu_dtype,
     load_model,
     resolve_dtype,
@@ -61,7 +62,7 @@ def test_gguf_without_tokenizer_or_unsupported_architecture(tmp_path, monkeypatc
     monkeypatch.setenv(gguf_cache.CACHE_ENV_VAR, str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="no tokenizer data"):
         load_model(write_gguf(tmp_path / "notok.gguf", tokenizer=False))
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'; supported: .*llama, mistral, .*qwen2"):
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'; supported: llama, mistral, .*qwen2"):
         load_model(write_gguf(tmp_path / "gpt2.gguf", architecture="gpt2"))
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
@@ -127,10 +128,11 @@ def test_sharded_safetensors_and_bin_load_the_same_weights(tmp_path, tiny_llama_
 
 
 def test_conversion_failure_leaves_no_cache(tmp_path, monkeypatch):
-    """A crash mid-conversion leaves neither a cache folder nor a temporary one; a
-    temporary folder orphaned by a dead process is cleaned up by the next conversion."""
+    """A GGUF of an architecture not read directly (qwen2) is converted through transformers: a
+    crash mid-conversion leaves neither a cache folder nor a temporary one; a temporary folder
+    orphaned by a dead process is cleaned up by the next conversion."""
     monkeypatch.setenv(gguf_cache.CACHE_ENV_VAR, str(tmp_path / "cache"))
-    source = write_gguf(tmp_path / "tiny.gguf")
+    source = write_gguf(tmp_path / "tiny.gguf", architecture="qwen2")
     final = gguf_cache.cached_folder(source)
     final.parent.mkdir(parents=True)
     orphan = final.parent / f".tmp-{final.name}-999999999-deadbeef"
@@ -148,16 +150,17 @@ def test_conversion_failure_leaves_no_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_bundled_model_loads_and_reuses_its_cache(smollm2, monkeypatch):
+def test_bundled_model_loads_from_its_file_and_reuses_its_record(smollm2, monkeypatch):
     assert smollm2.name == BUNDLED_MODEL_NAME
-    assert smollm2.path.parent == gguf_cache.cache_root() and smollm2.path.is_dir()
+    assert smollm2.path == bundled_model_path(), "the weights are read from the GGUF file, not a converted copy"
     assert smollm2.config.architecture == "LlamaForCausalLM" and smollm2.config.num_layers == 30
     assert smollm2.tokenizer.chat_template and smollm2.tokenizer.eos_token == "<|im_end|>"
 
-    def no_conversion(*args: object) -> None:
-        raise AssertionError("the cached conversion should have been reused")
+    def no_transformers(*args: object) -> None:
+        raise AssertionError("the start record should have been reused")
 
-    monkeypatch.setattr(gguf_cache, "_convert", no_conversion)
+    monkeypatch.setattr(gguf_loader, "_transformers_config", no_transformers)
+    monkeypatch.setattr(gguf_loader, "_transformers_tokenizer", no_transformers)
     again = load_model(dtype="bf16")
     assert again.path == smollm2.path and again.model.dtype == torch.bfloat16
     torch.testing.assert_close(again.model.norm.float(), smollm2.model.norm, atol=1e-2, rtol=1e-2)

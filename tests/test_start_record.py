@@ -16,6 +16,8 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 from radixrt.engine.detokenizer import StreamDetokenizer, make_detokenizer
 from radixrt.model.config import ModelConfig
 from radixrt.model import start_record
+from radixrt.model.gguf_file import GGUFFile
+from radixrt.model.loader import bundled_model_path
 from radixrt.model.start_record import read_record, record_path, write_record
 from radixrt.model.tokenizer import Tokenizer, TokenizerRecord
 from radixrt.paths import CACHE_ENV_VAR
@@ -42,21 +44,24 @@ CONVERSATIONS = [
 
 @pytest.fixture(params=["tiny", "smollm2"])
 def model_folder(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A Hugging Face folder, with the records going to an empty cache."""
-    name = "tiny_llama_dir" if request.param == "tiny" else "smollm2"
-    found = request.getfixturevalue(name)  # before the cache moves: smollm2's conversion stays in the real one
+    """A Hugging Face folder (tiny) or a GGUF file (smollm2), with the records going to an empty cache."""
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "cache"))
-    return Path(found if request.param == "tiny" else found.path)
+    return request.getfixturevalue("tiny_llama_dir") if request.param == "tiny" else bundled_model_path()
 
 
-def _record(folder: Path) -> tuple[Tokenizer, ModelConfig, transformers.PreTrainedTokenizerBase, ModelConfig]:
-    """The recorded tokenizer and config, read back from disk, and what transformers makes of the folder."""
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    hf_config = transformers.AutoConfig.from_pretrained(folder)
+def _record(source: Path) -> tuple[Tokenizer, ModelConfig, transformers.PreTrainedTokenizerBase, ModelConfig]:
+    """The recorded tokenizer and config, read back from disk, and what transformers makes of the
+    folder (or GGUF file's metadata)."""
+    if source.suffix == ".gguf":
+        folder, options, key = source.parent, {"gguf_file": source.name}, GGUFFile(source)
+    else:
+        folder, options, key = source, {}, source
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **options)
+    hf_config = transformers.AutoConfig.from_pretrained(folder, **options)
     config = ModelConfig.from_hf(hf_config)
-    assert read_record(folder) is None
-    assert write_record(folder, hf_config, config, hf_tokenizer) is not None
-    record = read_record(folder)
+    assert read_record(key) is None
+    assert write_record(key, hf_config, config, hf_tokenizer) is not None
+    record = read_record(key)
     assert record is not None
 
     def no_transformers() -> None:

@@ -102,14 +102,15 @@ def plan_tensors(file: GGUFFile, config: ModelConfig, native: bool) -> TensorPla
                              f"says {shape}")
     plan = TensorPlan([], [], None)
     for index in range(config.num_layers):
-        native_layer, dense_layer = {}, {}
+        native_layer: dict[str, list[GGUFTensor]] = {}
+        dense_layer: dict[str, list[GGUFTensor]] = {}
         for fused, names in PROJECTIONS.items():
             parts = [file.tensors[f"blk.{index}.{name}.weight"] for name in names]
             runs = all(part.type_name in SUPPORTED_TYPES for part in parts)
             (native_layer if native and runs else dense_layer)[fused] = parts
             if native and not runs:
                 for part in parts:
-                    if part.type_name not in ("F32", "F16", "BF16"):
+                    if part.type_name not in (*SUPPORTED_TYPES, "F32", "F16", "BF16"):
                         plan.fallback.setdefault(part.type_name, []).append(part.name)
         plan.native.append(native_layer)
         plan.dense.append(dense_layer)
@@ -157,8 +158,8 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
     """The model over the file's tensors as `plan` says (see the module docstring)."""
     if plan.fallback:
         logger.warning(
-            "%s: no native kernel yet for %s; these tensors are dequantized to %s at load and run on the "
-            "slower dense path (native kernels for these types are another issue's work)",
+            "%s: no native kernel yet for %s; these tensors (with the Q4_0/Q4_1 ones fused with them) are "
+            "dequantized to %s at load and run on the slower dense path (kernels for these types are coming)",
             file.path.name, "; ".join(f"{kind}: {_names(names)}" for kind, names in sorted(plan.fallback.items())),
             str(dtype).removeprefix("torch."),
         )

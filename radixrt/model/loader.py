@@ -242,6 +242,7 @@ def _load_gguf(file: GGUFFile, name: str, device: torch.device, dtype: torch.dty
     started = time.perf_counter()
     config, tokenizer, read_hf_config = gguf_loader.config_and_tokenizer(file)
     plan = gguf_loader.plan_tensors(file, config, native)
+    native = any(plan.native) or plan.head is not None  # else every tensor fell back to dense
     gguf_loader.check_memory(file, plan, config, device, dtype, kv_pool_bytes)
     logger.info("loading %s: %.0f MB of GGUF tensors from %s as %s on %s, %s", name, file.path.stat().st_size / 2**20,
                 file.path, str(dtype).removeprefix("torch."), device,
