@@ -61,7 +61,8 @@ def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
         check_loaded_model(model, config)
         loaded = model
     else:
-        loaded = load_model(model, device=wanted, dtype=config.dtype, weights=config.weights)
+        loaded = load_model(model, device=wanted, dtype=config.dtype, weights=config.weights,
+                            kv_pool_bytes=lambda kv: pool_tokens(config, kv, torch.device(wanted)) * kv.bytes_per_token)
     device = loaded.model.device
     model_config = loaded.config
     shape = model_config.kv_shape(loaded.model.dtype)
