@@ -12,8 +12,8 @@ the row length is a multiple of 256, as here, and as Q8_0 otherwise; gguf's
 writer has no K-quant quantizer), norms F32. The file is never committed.
 
 `--measure` runs, for each checkout (PYTHONPATH), alternating, `--runs` times:
-a first start (a fresh RADIXRT_CACHE_DIR holding only the compiled kernels,
-which are per machine, not per model) and a later start (the same cache
+a first start (a fresh RADIXRT_CACHE_DIR holding only that checkout's compiled
+kernels, which are per machine, not per model) and a later start (the same cache
 again). Each start is a new process: `Runtime(model=FILE, max_total_tokens=4096)`
 and a 1-token greedy request; the time is from before the process is spawned
 to the request's return. The child reports its peak RSS (getrusage); the
@@ -67,13 +67,22 @@ def cache_bytes(cache: Path) -> int:
     return sum(p.stat().st_size for p in cache.rglob("*") if p.is_file() and "kernels" not in p.parts)
 
 
-def measure(model: Path, checkouts: dict[str, Path], runs: int, kernels: Path) -> None:
+def compiled_kernels(checkout: Path, where: Path) -> Path:
+    """The checkout's own compiled CPU kernels (built once into `where`/kernels)."""
+    env = dict(os.environ, PYTHONPATH=str(checkout), RADIXRT_CACHE_DIR=str(where))
+    subprocess.run([sys.executable, "-c", "from radixrt.kernels import cpu; assert cpu.quantized_matmul()"],
+                   env=env, check=True)  # fmt: skip
+    return where / "kernels"
+
+
+def measure(model: Path, checkouts: dict[str, Path], runs: int, scratch: Path) -> None:
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    kernels = {label: compiled_kernels(checkout, scratch / label) for label, checkout in checkouts.items()}
     for run in range(runs):
         for label, checkout in checkouts.items():
             with tempfile.TemporaryDirectory(prefix="radixrt-bench-cache-") as tmp:
                 cache = Path(tmp)
-                shutil.copytree(kernels, cache / "kernels")
+                shutil.copytree(kernels[label], cache / "kernels")
                 first = start(checkout, model, cache)
                 first["cache_bytes"] = cache_bytes(cache)
                 later = start(checkout, model, cache)
@@ -98,15 +107,15 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="checkout measured first (e.g. main)")
     parser.add_argument("--after", type=Path, help="checkout measured second")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--kernels", type=Path, default=Path.home() / ".cache" / "radixrt" / "kernels",
-                        help="compiled kernels to seed each fresh cache with")  # fmt: skip
+    parser.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()) / "radixrt-bench-kernels",
+                        help="where each checkout's kernels are compiled once, to seed every fresh cache")  # fmt: skip
     args = parser.parse_args()
     if args.build:
         build(args.build)
     if args.measure:
         if not (args.before and args.after):
             parser.error("--measure needs --before and --after")
-        measure(args.measure, {"before": args.before, "after": args.after}, args.runs, args.kernels)
+        measure(args.measure, {"before": args.before, "after": args.after}, args.runs, args.scratch)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ is still one contiguous run.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 from collections.abc import Sequence
 
@@ -40,6 +41,44 @@ def anonymous_bytes(num_bytes: int, huge: bool = False) -> torch.Tensor | None:
         except OSError:  # a kernel built without transparent huge pages: 4 KB pages, same bytes
             pass
     return torch.frombuffer(buffer, dtype=torch.uint8)[:num_bytes]
+
+
+class SideBySide:
+    """`side_by_side` for tensors built one at a time: the buffer for all of `sizes` (bytes, in
+    order) is taken up front, untouched, and each tensor is copied into the next slot as it is
+    built (`place`), so its original can go at once: a load holds one copy of the weights, not two."""
+
+    def __init__(self, sizes: Sequence[int]):
+        self._starts, total = [], 0
+        for size in sizes:
+            self._starts.append(total)
+            total += -(-size // ALIGNMENT) * ALIGNMENT
+        self._sizes = list(sizes)
+        whole = anonymous_bytes(total + HUGE_PAGE, huge=True) if total else None
+        self._whole = whole
+        self._first = 0 if whole is None else -whole.data_ptr() % HUGE_PAGE
+        self._next = 0
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The next slot holding a copy of `tensor` (contiguous uint8 of the slot's size); the
+        tensor itself where the OS has no anonymous mappings."""
+        if self._next >= len(self._sizes) or tensor.numel() != self._sizes[self._next]:
+            raise ValueError(f"slot {self._next} of {len(self._sizes)}: a tensor of {tensor.numel()} bytes does not fit")
+        start = self._first + self._starts[self._next]
+        self._next += 1
+        if self._whole is None:
+            return tensor
+        copy = self._whole[start : start + tensor.numel()].view(tensor.shape)
+        return copy.copy_(tensor)
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim): loading packs weights
+    through temporaries the allocator otherwise keeps resident. A no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def side_by_side(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,9 +17,10 @@ where asked (`metadata_bytes` is all a warm start hashes).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,8 @@ class GGUFTensor:
     name: str
     type_name: str
     shape: tuple[int, ...]
-    data: np.ndarray
+    data: np.ndarray = field(repr=False)
+    offset: int = 0  # of `data` in the file
 
     @property
     def qtype(self) -> GGMLQuantizationType:
@@ -89,6 +91,16 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", "unknown"))
 
+    def release(self, tensors: list[GGUFTensor]) -> None:
+        """Drop these tensors' pages from this process's memory once they are read (they stay in
+        the page cache; a later read maps them back): a load then never holds the whole file
+        resident beside the weights it built from it."""
+        page = mmap.PAGESIZE
+        for tensor in tensors:
+            start = tensor.offset // page * page
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # advice only
+                self._map.madvise(mmap.MADV_DONTNEED, start, tensor.offset + tensor.num_bytes - start)
+
     def metadata_bytes(self) -> bytes:
         """The header and metadata as stored: what config and tokenizer are read from."""
         return self._map[: self.metadata_end]
@@ -115,7 +127,7 @@ class GGUFFile:
             if name in tensors:
                 raise ValueError(f"{self.path}: tensor {name} is stored twice")
             data = np.frombuffer(self._map, dtype=np.uint8, count=end - begin, offset=begin)
-            tensors[name] = GGUFTensor(name, qtype.name, tuple(reversed(dims)), data.reshape(num_rows, row_bytes))
+            tensors[name] = GGUFTensor(name, qtype.name, tuple(reversed(dims)), data.reshape(num_rows, row_bytes), begin)
             spans.append((begin, end, name))
         spans.sort()
         for (_, end, name), (begin, _, following) in zip(spans, spans[1:]):

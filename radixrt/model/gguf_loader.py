@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixrt.memory import huge_pages
 from radixrt.memory.kv_cache import KVShape
-from radixrt.model import gguf_int4
+from radixrt.model import gguf_int4, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
 from radixrt.model.gguf_int4 import LM_HEAD_TYPES, PROJECTIONS, SUPPORTED_TYPES, Int4Weight
@@ -164,12 +165,17 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
             str(dtype).removeprefix("torch."),
         )
     model = LlamaForCausalLM(config, device=device, dtype=dtype, dense_projections=False)
+    quantized_embedding = plan.head is not None and plan.head.type_name == "Q8_0" and model.embedding_runs_quantized(
+        8, (plan.head.shape[0], plan.head.shape[1]))
     with torch.no_grad():
-        dequantize_into(model.embed_tokens, file.tensors["token_embd.weight"])
+        if not quantized_embedding:  # else its rows are looked up in the head, the table never filled
+            dequantize_into(model.embed_tokens, file.tensors["token_embd.weight"])
         dequantize_into(model.norm, file.tensors["output_norm.weight"])
         if not config.tie_word_embeddings:
             dequantize_into(model.lm_head, file.tensors["output.weight"])
+        file.release([file.tensors["token_embd.weight"]])
         model.prepack()
+        placed = _packed_buffer(plan, dtype)
         for index, layer in enumerate(model._decoder_layers()):
             dequantize_into(layer.input_norm, file.tensors[f"blk.{index}.attn_norm.weight"])
             dequantize_into(layer.post_attention_norm, file.tensors[f"blk.{index}.ffn_norm.weight"])
@@ -184,9 +190,36 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
             layer.prepack()
             if plan.native[index]:
                 layer.use_int4({fused: _int4(parts, config) for fused, parts in plan.native[index].items()})
+                if placed is not None and layer.int4_steps is None:
+                    placed = None  # no whole-step kernel here: the layers stay where they were packed
+                if placed is not None:
+                    layer.place_packed(placed)
+            file.release([part for parts in (*plan.native[index].values(), *plan.dense[index].values())
+                          for part in parts])
     if any(plan.native) or plan.head is not None:
-        model.finish_int4(None if plan.head is None else gguf_int4.quantized_head(plan.head))
+        model.finish_int4(None if plan.head is None else gguf_int4.quantized_head(plan.head), quantized_embedding,
+                          placed)
+        file.release([] if plan.head is None else [plan.head])
+    huge_pages.release_free_heap()
     return model
+
+
+def _packed_buffer(plan: TensorPlan, dtype: torch.dtype) -> huge_pages.SideBySide | None:
+    """The buffer every layer's packed weights (and a packed head) go into as they are built, in
+    the order a step reads them, where every layer runs all four projections in radixrt's
+    kernel; else None (`finish_int4` then places what it can after the fact)."""
+    if not plan.native or not all(len(layer) == len(PROJECTIONS) for layer in plan.native):
+        return None
+    shapes = [(sum(part.shape[0] for part in parts), parts[0].shape[1])
+              for layer in plan.native for parts in layer.values()]  # fmt: skip
+    if not all(linear.runs_own_kernel(shape, dtype) for shape in shapes):
+        return None
+    sizes = [rows * cols * 5 // 8 for rows, cols in shapes]  # 320 bytes a tile of 16 rows by 32 inputs
+    head = plan.head
+    if head is not None and linear.runs_own_kernel((head.shape[0], head.shape[1]), dtype):
+        head_bytes = 17 if head.type_name == "Q8_0" else 10  # 544 (8-bit) or 320 (4-bit) bytes a tile, per 512
+        sizes.append(head.shape[0] * head.shape[1] * head_bytes // 16)
+    return huge_pages.SideBySide(sizes)
 
 
 def dequantize_into(destination: torch.Tensor, tensor: GGUFTensor, row_order: torch.Tensor | None = None) -> None:
@@ -257,8 +290,8 @@ def _loaded_bytes(file: GGUFFile, plan: TensorPlan, config: ModelConfig, dtype: 
             total += count // 2 + count // 32 * 4
         elif plan.head is not None and tensor is plan.head:
             total += count + count // 32 * 2
-            if config.tie_word_embeddings:
-                total += count * element  # the embedding's dense table
+            if config.tie_word_embeddings and not (plan.head.type_name == "Q8_0" and dtype == torch.bfloat16):
+                total += count * element  # the embedding's dense table (a tied Q8_0 head is looked up instead)
         elif name not in _IGNORED:
             total += count * element
     return total

@@ -115,18 +115,19 @@ class Int4DecodeStack:
         return Int4DecodeStack(kernel, steps, intermediate)
 
     def hidden_states(
-        self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+        self, embedding: torch.Tensor | cpu.PackedWeight, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
         kv_cache: KVCache, segments: AttentionSegments, scale: float,
     ) -> torch.Tensor:
         """The step's hidden states after the last layer (before the final norm), [T, dim]: its
         tokens looked up in `embedding`, rotated with rows of `rope_tables` (`RotaryEmbedding.tables`),
-        each layer's new K/V stored at `batch.out_slots` and attended with `segments`."""
-        hidden = torch.empty(batch.num_tokens, embedding.shape[1], dtype=embedding.dtype)
+        each layer's new K/V stored at `batch.out_slots` and attended with `segments`. `embedding`:
+        [vocab, dim] bf16, or a tied 8-bit LM head as packed (`cpu.embedding_table`)."""
+        hidden = torch.empty(batch.num_tokens, self._layers[0].input_norm.shape[0], dtype=torch.bfloat16)
         self._run(embedding, rope_tables, batch, kv_cache, segments, scale, hidden, None)
         return hidden
 
     def logits(
-        self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+        self, embedding: torch.Tensor | cpu.PackedWeight, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
         kv_cache: KVCache, segments: AttentionSegments, scale: float, final_norm: torch.Tensor,
         head: cpu.PackedWeight, logit_rows: torch.Tensor,
     ) -> torch.Tensor:
@@ -138,7 +139,7 @@ class Int4DecodeStack:
         return logits
 
     def decode_run(
-        self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+        self, embedding: torch.Tensor | cpu.PackedWeight, rope_tables: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
         scale: float, final_norm: torch.Tensor, head: cpu.PackedWeight, rows: cpu.RunRows,
         sampling: cpu.RunSampling, num_steps: int, interrupt: ctypes.c_int32 | None = None,
     ) -> cpu.RunOutput:
@@ -153,7 +154,7 @@ class Int4DecodeStack:
         )  # fmt: skip
 
     def _run(
-        self, embedding: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+        self, embedding: torch.Tensor | cpu.PackedWeight, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
         kv_cache: KVCache, segments: AttentionSegments, scale: float, hidden: torch.Tensor | None,
         head: tuple[torch.Tensor, cpu.PackedWeight, torch.Tensor, torch.Tensor] | None,
     ) -> None:

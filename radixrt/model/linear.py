@@ -141,6 +141,12 @@ class PackedLMHead:
         return out.view(*x.shape[:-1], num_rows)
 
 
+def runs_own_kernel(shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether `int4`/`lm_head` of a weight of this shape run radixrt's kernel (its packed layout)."""
+    kernel = cpu.quantized_matmul() if dtype == torch.bfloat16 else None
+    return kernel is not None and kernel.supports(shape)
+
+
 def _own_kernel(weight: Int4Weight | Int8Weight, dtype: torch.dtype) -> cpu.QuantizedMatmul | None:
     """radixrt's quantized kernel (`kernels/cpu/quantized_matmul.c`) where it runs: bf16
     activations, an AVX512-BF16 CPU, a weight shape its layout takes. It multiplies by the file's

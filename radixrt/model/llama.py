@@ -210,6 +210,13 @@ class LlamaDecoderLayer(nn.Module):
         for name, weight in weights.items():
             setattr(self, name, linear.int4(weight, dtype, biases.get(name)))
 
+    def place_packed(self, buffer: huge_pages.SideBySide) -> None:
+        """Move this layer's packed 4-bit weights into their slots of `buffer` (in
+        `Int4LayerSteps.packed_weights` order); the originals go."""
+        assert self.int4_steps is not None
+        steps = self.int4_steps
+        self.use_int4_steps(steps.with_packed_data(iter([buffer.place(p.data) for p in steps.packed_weights()])))
+
     def use_int4_steps(self, steps: Int4LayerSteps) -> None:
         """Run small steps in `steps`' two C calls, and larger ones through the same packed
         weights one projection at a time (no dense copy of them exists)."""
@@ -320,6 +327,7 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._lm_head = linear.plain(self.lm_head)
         self._stack: Int4DecodeStack | None = None  # set by use_int4_projections where it applies
+        self._quantized_embedding = False  # rows looked up in the tied 8-bit head (`finish_int4`)
         self._native = False  # projections on 4-bit weights (use_int4_projections)
         # the head deterministic steps use, for every row count: the file's quantized one, or `linear.rowwise`
         self._invariant_lm_head: linear.Linear | None = None
@@ -345,23 +353,41 @@ class LlamaForCausalLM(nn.Module):
             layer.use_int4(weights)
         self.finish_int4(native.lm_head)
 
-    def finish_int4(self, head: Int4Weight | Int8Weight | None) -> None:
+    def finish_int4(self, head: Int4Weight | Int8Weight | None, quantized_embedding: bool = False,
+                    placed: huge_pages.SideBySide | None = None) -> None:
         """Once every layer that has 4-bit projections got them (`LlamaDecoderLayer.use_int4`): the
         LM head as the file stores it (None: a type without a kernel, it stays dense), the packed
         weights side by side, and the whole-step kernel where every layer can run in it.
-        A quantized head serves every step; its dense twin, if the embedding is tied, is only
-        looked up, never multiplied by."""
+        A quantized head serves every step. With `quantized_embedding`, a tied 8-bit head that
+        radixrt's kernel runs (`embedding_runs_quantized`) is the embedding too: rows are
+        dequantized as looked up and the dense table is dropped (the caller need not fill it);
+        otherwise the dense embedding stays, only looked up. `placed`: the buffer every layer's
+        packed weights were already moved into (`LlamaDecoderLayer.place_packed`), whose last
+        slot takes a packed head."""
         self._native = True
         if head is not None:
             if head.shape != tuple(self.lm_head.shape):
                 raise ValueError(f"quantized LM head shape {head.shape}, model expects {tuple(self.lm_head.shape)}")
             self._invariant_lm_head = linear.lm_head(head, self.dtype)
             self._lm_head = self._invariant_lm_head
-        self._packed_weights_side_by_side()
+        if (quantized_embedding and head is not None
+                and self.embedding_runs_quantized(8 if isinstance(head, Int8Weight) else 4, head.shape)):
+            self._quantized_embedding = True
+            self.embed_tokens = self.lm_head = _weight(0, self.config.hidden_size, device=self.device, dtype=self.dtype)
+        packed_head = self._invariant_lm_head
+        if placed is None:
+            self._packed_weights_side_by_side()
+        elif isinstance(packed_head, linear.PackedLMHead):
+            packed_head.packed = packed_head.packed._replace(data=placed.place(packed_head.packed.data))
         attention = self._attention_kinds
         if len(attention) == 1 and attention[0].sliding_window is None and attention[0].logit_softcap is None:
             steps = [layer.int4_steps for layer in self._decoder_layers()]
             self._stack = Int4DecodeStack.create(steps, self.config.intermediate_size)
+
+    def embedding_runs_quantized(self, head_bits: int, head_shape: tuple[int, int]) -> bool:
+        """Whether the file's LM head can be the embedding too: tied, 8-bit, in radixrt's kernel layout."""
+        return (self.config.tie_word_embeddings and not self.config.is_gemma and head_bits == 8
+                and linear.runs_own_kernel(head_shape, self.dtype))
 
     def _packed_weights_side_by_side(self) -> None:
         """Every layer's packed 4-bit weights and the packed LM head moved into one buffer on
@@ -485,10 +511,10 @@ class LlamaForCausalLM(nn.Module):
         """
         if isinstance(plans, StackedStep):
             assert self._stack is not None
-            hidden = self._stack.hidden_states(self.embed_tokens, self._rope_tables(batch), batch, backend.kv_cache,
+            hidden = self._stack.hidden_states(self._embedding_table(), self._rope_tables(batch), batch, backend.kv_cache,
                                                plans.segments, plans.scale)  # fmt: skip
             return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        hidden = self._embed(batch.input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
         # each distinct rope's tables once a step (Gemma 3: one for full layers, one for sliding ones)
@@ -509,7 +535,7 @@ class LlamaForCausalLM(nn.Module):
         head = self._head_for(logit_rows.shape[0], deterministic)
         if isinstance(plans, StackedStep) and isinstance(head, linear.PackedLMHead):
             assert self._stack is not None
-            return self._stack.logits(self.embed_tokens, self._rope_tables(batch), batch, backend.kv_cache,
+            return self._stack.logits(self._embedding_table(), self._rope_tables(batch), batch, backend.kv_cache,
                                       plans.segments, plans.scale, self.norm, head.packed, logit_rows.contiguous())
         hidden = self.forward(batch, backend, plans, deterministic)
         return self.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)), deterministic)
@@ -550,9 +576,23 @@ class LlamaForCausalLM(nn.Module):
         rows = cpu.RunRows(index[:count], index[count : 2 * count], all_slots, index[2 * count : 3 * count],
                            index[3 * count : 4 * count], index[4 * count :], chunk)
         tables = self.rope.tables(max(positions) + num_steps, self.dtype)
-        return self._stack.decode_run(self.embed_tokens, tables, backend.kv_cache, backend.softmax_scale(attention),
+        return self._stack.decode_run(self._embedding_table(), tables, backend.kv_cache,
+                                      backend.softmax_scale(attention),
                                       self.norm, self._invariant_lm_head.packed, rows, sampling, num_steps,
                                       interrupt)
+
+    def _embedding_table(self) -> torch.Tensor | cpu.PackedWeight:
+        """What token rows are looked up in: the dense embedding, or the tied 8-bit LM head as packed."""
+        head = self._invariant_lm_head
+        if self._quantized_embedding and isinstance(head, linear.PackedLMHead):
+            return head.packed
+        return self.embed_tokens
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self._embedding_table()
+        if isinstance(table, torch.Tensor):
+            return F.embedding(ids, table)
+        return cpu.packed_int8_rows(table, ids.cpu()).to(self.dtype)
 
     def _rope_tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.tables(max(batch.seq_lens), self.dtype)

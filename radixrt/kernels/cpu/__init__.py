@@ -455,7 +455,7 @@ class DecodeStack:
         self._fn = library.radixrt_int4_decode_stack_bf16
         pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self._fn.argtypes = [
-            pointer, pointer, i64, pointer, i64, i64,  # token ids, embedding, vocab, hidden, rows, dim
+            pointer, pointer, i32, i64, pointer, i64, i64,  # token ids, embedding, bits, vocab, hidden, rows, dim
             i32, pointer, pointer, pointer, i64,  # num_layers, layer weights, k pools, v pools, num_slots
             f32, i32, i32, i32, i64, f32,  # eps, Hq, Hkv, D, intermediate, scale
             pointer, pointer, pointer, i64,  # positions, cos, signed_sin, table rows
@@ -468,14 +468,16 @@ class DecodeStack:
         self.balance = ProductBalance(library)
 
     def __call__(
-        self, token_ids: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor | None, layer_weights: torch.Tensor,
+        self, token_ids: torch.Tensor, embedding: torch.Tensor | PackedWeight, hidden: torch.Tensor | None,
+        layer_weights: torch.Tensor,
         k_pools: torch.Tensor, v_pools: torch.Tensor, num_slots: int, eps: float, heads: tuple[int, int, int],
         intermediate: int, scale: float, positions: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
         out_slots: torch.Tensor, kv_indices: torch.Tensor,
         segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         head: tuple[torch.Tensor, PackedWeight, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """`token_ids` ([T] rows of `embedding`, [vocab, dim] bf16) through every layer into
+        """`token_ids` ([T] rows of `embedding`: [vocab, dim] bf16, or a tied 8-bit LM head as
+        packed, its rows dequantized as looked up) through every layer into
         `hidden` ([T, dim] bf16, contiguous); with `head` = (final norm, packed LM head, logit
         rows, logits), also logits [N, head rows] float32 of the normed rows `logit rows` ([N]
         rows of the step), and `hidden` may be None (the kernel's own buffer).
@@ -493,9 +495,10 @@ class DecodeStack:
         starts, lens, row_ptr, rows = segments
         cos, signed_sin = rope_tables
         final_norm, packed, logit_rows, logits = (None, None, None, None) if head is None else head
+        table, bits, vocab, dim = embedding_table(embedding)
         status = self._fn(
-            token_ids.data_ptr(), embedding.data_ptr(), embedding.shape[0], None if hidden is None else hidden.data_ptr(),
-            token_ids.shape[0], embedding.shape[1], layer_weights.shape[0], layer_weights.data_ptr(), k_pools.data_ptr(),
+            token_ids.data_ptr(), table, bits, vocab, None if hidden is None else hidden.data_ptr(),
+            token_ids.shape[0], dim, layer_weights.shape[0], layer_weights.data_ptr(), k_pools.data_ptr(),
             v_pools.data_ptr(), num_slots, eps, num_q_heads, num_kv_heads, head_dim, intermediate, scale,
             positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0],
             out_slots.data_ptr(), kv_indices.data_ptr(),
@@ -507,7 +510,7 @@ class DecodeStack:
         )  # fmt: skip
         if status == -6:
             raise IndexError(f"a logit row outside the step's rows 0 .. {token_ids.shape[0] - 1}")
-        _raise_for_stack_status(status, "decode stack", num_slots, embedding.shape[0], cos.shape[0], heads)
+        _raise_for_stack_status(status, "decode stack", num_slots, vocab, cos.shape[0], heads)
 
 
 class RunRows(NamedTuple):
@@ -582,7 +585,7 @@ class DecodeRun:
         self._fn = library.radixrt_int4_decode_run_bf16
         pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self._fn.argtypes = [
-            pointer, i64, i64, i32, pointer,  # embedding, vocab, dim, num_layers, layer weights
+            pointer, i32, i64, i64, i32, pointer,  # embedding, bits, vocab, dim, num_layers, layer weights
             pointer, pointer, i64, f32, i32, i32,  # k pools, v pools, num_slots, eps, Hq, Hkv
             i32, i64, f32, pointer, pointer,  # D, intermediate, scale, cos, signed_sin
             i64, pointer, pointer, i32, i64,  # table rows, final norm, head, head bits, head rows
@@ -598,7 +601,8 @@ class DecodeRun:
         self.balance = ProductBalance(library)
 
     def __call__(
-        self, embedding: torch.Tensor, layer_weights: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor,
+        self, embedding: torch.Tensor | PackedWeight, layer_weights: torch.Tensor, k_pools: torch.Tensor,
+        v_pools: torch.Tensor,
         num_slots: int, eps: float, heads: tuple[int, int, int], intermediate: int, scale: float,
         rope_tables: tuple[torch.Tensor, torch.Tensor], final_norm: torch.Tensor, head: PackedWeight,
         rows: RunRows, sampling: RunSampling, num_steps: int, interrupt: ctypes.c_int32 | None = None,
@@ -624,8 +628,9 @@ class DecodeRun:
         top = sampling.top_logprobs
         top_tokens = torch.empty(num_steps, batch, top, dtype=torch.int64) if top else None
         top_logprobs = torch.empty(num_steps, batch, top, dtype=torch.float32) if top else None
+        table, bits, vocab, dim = embedding_table(embedding)
         done = self._fn(
-            embedding.data_ptr(), embedding.shape[0], embedding.shape[1], layer_weights.shape[0],
+            table, bits, vocab, dim, layer_weights.shape[0],
             layer_weights.data_ptr(), k_pools.data_ptr(), v_pools.data_ptr(), num_slots, eps, num_q_heads,
             num_kv_heads, head_dim, intermediate, scale, cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0],
             final_norm.data_ptr(), head.data.data_ptr(), head.bits, head.num_rows,
@@ -640,9 +645,33 @@ class DecodeRun:
             None if top_logprobs is None else top_logprobs.data_ptr(), self.balance.pointer, _threads(),
         )  # fmt: skip
         if done < 0:
-            _raise_for_stack_status(done, "decode run", num_slots, embedding.shape[0], cos.shape[0], heads)
+            _raise_for_stack_status(done, "decode run", num_slots, vocab, cos.shape[0], heads)
         return RunOutput(tokens[:done], logprobs[:done], None if top_tokens is None else top_tokens[:done],
                          None if top_logprobs is None else top_logprobs[:done])
+
+
+def embedding_table(embedding: torch.Tensor | PackedWeight) -> tuple[int, int, int, int]:
+    """(address, bits, vocab rows, dim) of what the whole-step kernels look token rows up in: a
+    [vocab, dim] bf16 tensor, or an 8-bit weight in `QuantizedMatmul`'s layout (a tied LM head,
+    `pack_int8`'s [tiles, groups, 544] bytes)."""
+    if isinstance(embedding, PackedWeight):
+        if embedding.bits != 8 or embedding.data.dim() != 3:
+            raise ValueError(f"a packed embedding must be an 8-bit weight as pack_int8 lays it out, got {embedding.bits} bits")
+        return embedding.data.data_ptr(), 8, embedding.num_rows, embedding.data.shape[1] * QuantizedMatmul.GROUP
+    return embedding.data_ptr(), 16, embedding.shape[0], embedding.shape[1]
+
+
+def packed_int8_rows(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an 8-bit weight in `QuantizedMatmul`'s layout, float32 q * d (exact): what the
+    whole-step kernels look up, for steps that run elsewhere."""
+    tiles, groups, _ = weight.data.shape
+    rows, within = ids // QuantizedMatmul.TILE_ROWS, ids % QuantizedMatmul.TILE_ROWS
+    blocks = weight.data[rows]  # [n, groups, 8 * 64 codes + 16 * 2 scale bytes]
+    picked = torch.arange(ids.numel())
+    codes = blocks[..., :512].reshape(-1, groups, 8, QuantizedMatmul.TILE_ROWS, 4)[picked, :, :, within]
+    scales = blocks[..., 512:].reshape(-1, groups, QuantizedMatmul.TILE_ROWS, 2)[picked, :, within].contiguous()
+    values = codes.reshape(-1, groups, 32).to(torch.int16) - 128
+    return (values.float() * scales.view(torch.float16).float()).reshape(-1, groups * 32)
 
 
 def _raise_for_stack_status(

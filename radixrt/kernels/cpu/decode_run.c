@@ -110,7 +110,8 @@ static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positio
  * pools, -4 for a token id outside the embedding, -5 for a position outside the tables.
  */
 int radixrt_int4_decode_run_bf16(
-    const uint16_t *embedding, int64_t vocab, int64_t dim, int num_layers, const int64_t *layer_weights,
+    const void *embedding, int embedding_bits, int64_t vocab, int64_t dim, int num_layers,
+    const int64_t *layer_weights,
     const int64_t *k_pools, const int64_t *v_pools, int64_t num_slots, float eps, int num_q_heads, int num_kv_heads,
     int head_dim, int64_t intermediate, float scale, const uint16_t *cos, const uint16_t *signed_sin,
     int64_t table_rows, const uint16_t *final_norm, const uint8_t *head, int head_bits, int64_t head_rows,
@@ -125,7 +126,7 @@ int radixrt_int4_decode_run_bf16(
     const StackModel model = {
         embedding, vocab, dim, num_layers, layer_weights, k_pools, v_pools, num_slots, eps, scale, num_q_heads,
         num_kv_heads, head_dim, intermediate, cos, signed_sin, table_rows, final_norm, head, head_bits, head_rows,
-        balance,
+        balance, embedding_bits,
     };
     if (radixrt_stack_model_check(&model) || head == NULL || head_rows > vocab || rows < 1 || num_steps < 1 ||
         chunk < 1 || top_count < 0 || top_count > head_rows)

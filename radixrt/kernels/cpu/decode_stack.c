@@ -165,7 +165,8 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
 
 int radixrt_stack_model_check(const StackModel *model) {
     const int hq = model->num_q_heads, hkv = model->num_kv_heads, d = model->head_dim;
-    return hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2 ? -1 : 0;
+    const int table = model->embedding_bits == 16 || (model->embedding_bits == 8 && model->dim % 32 == 0);
+    return hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2 || !table ? -1 : 0;
 }
 
 StackBuffers *radixrt_stack_buffers_new(const StackModel *m, int64_t rows, int64_t logit_rows, int own_hidden,
@@ -206,13 +207,35 @@ void radixrt_stack_buffers_free(StackBuffers *b) {
     free(b);
 }
 
+/* Row `token` of the embedding as bf16. An 8-bit table is a tied LM head in quantized_matmul.c's
+ * layout (tiles of 16 rows; per group of 32 inputs 8 vectors of (row, 4 inputs) bytes q + 128, then
+ * 16 fp16 scales): each weight q * d in float (exact) rounded once, as a dense load rounds it. */
+static void embedding_row(const StackModel *m, int64_t token, uint16_t *out) {
+    const int64_t dim = m->dim;
+    if (m->embedding_bits != 8) {
+        memcpy(out, (const uint16_t *)m->embedding + token * dim, sizeof(uint16_t) * (size_t)dim);
+        return;
+    }
+    const int64_t groups = dim / 32, row = token % 16, block_bytes = 8 * 64 + 16 * 2;
+    const uint8_t *blocks = (const uint8_t *)m->embedding + token / 16 * groups * block_bytes;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *block = blocks + g * block_bytes;
+        uint16_t half;
+        memcpy(&half, block + 8 * 64 + 2 * row, sizeof half);
+        const float d = fp16_to_float(half);
+        for (int c = 0; c < 8; c++)
+            for (int j = 0; j < 4; j++)
+                out[32 * g + 4 * c + j] = float_to_bf16((float)((int)block[64 * c + 4 * row + j] - 128) * d);
+    }
+}
+
 void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *step, StackBuffers *b) {
     const int64_t rows = step->rows, dim = m->dim;
     uint16_t *hidden = step->hidden != NULL ? step->hidden : b->own_hidden;
     char *own_scratch = b->scratch + b->scratch_per_thread * team->thread;
     {
         FOR_SHARE(team, rows, r)
-            memcpy(hidden + r * dim, m->embedding + step->token_ids[r] * dim, sizeof(uint16_t) * (size_t)dim);
+            embedding_row(m, step->token_ids[r], hidden + r * dim);
     }
     if (team->thread == 0) radixrt_product_rebalance(m->balance, team->threads);
     team_barrier(team);
@@ -241,7 +264,8 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
 }
 
 /*
- * token_ids [rows] (rows of embedding [vocab, dim] bf16) through every layer into hidden
+ * token_ids [rows] (rows of embedding: [vocab, dim] bf16, or with embedding_bits 8 a packed 8-bit
+ * [vocab, dim] weight, see embedding_row) through every layer into hidden
  * [rows, dim] bf16. layer_weights: [num_layers, 6] addresses (input norm, qkv, o,
  * post-attention norm, gate_up, down; the projections packed 4-bit); k_pools, v_pools:
  * [num_layers] addresses of [num_slots, Hkv, D] pools. Row r's K/V go to slot out_slots[r]
@@ -256,7 +280,8 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
  * logit row outside the step (nothing computed).
  */
 int radixrt_int4_decode_stack_bf16(
-    const int64_t *token_ids, const uint16_t *embedding, int64_t vocab, uint16_t *hidden, int64_t rows, int64_t dim,
+    const int64_t *token_ids, const void *embedding, int embedding_bits, int64_t vocab, uint16_t *hidden, int64_t rows,
+    int64_t dim,
     int num_layers, const int64_t *layer_weights, const int64_t *k_pools, const int64_t *v_pools, int64_t num_slots,
     float eps, int num_q_heads, int num_kv_heads, int head_dim, int64_t intermediate, float scale,
     const int64_t *positions, const uint16_t *cos, const uint16_t *signed_sin, int64_t table_rows,
@@ -269,7 +294,7 @@ int radixrt_int4_decode_stack_bf16(
     const StackModel model = {
         embedding, vocab, dim, num_layers, layer_weights, k_pools, v_pools, num_slots, eps, scale, num_q_heads,
         num_kv_heads, head_dim, intermediate, cos, signed_sin, table_rows, final_norm, head, head_bits, head_rows,
-        balance,
+        balance, embedding_bits,
     };
     if (radixrt_stack_model_check(&model)) return -1;
     for (int64_t r = 0; r < rows; r++)

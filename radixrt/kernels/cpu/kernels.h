@@ -206,7 +206,7 @@ void radixrt_attention_run(const Team *team, AttentionWork *work, atomic_long *n
  * step of it run by every thread of a team (decode_run.c runs several in a row).
  */
 typedef struct {
-    const uint16_t *embedding;  /* [vocab, dim] bf16 */
+    const void *embedding;  /* embedding_bits 16: [vocab, dim] bf16; 8: an 8-bit packed weight (the LM head) */
     int64_t vocab, dim;
     int num_layers;
     const int64_t *layer_weights;    /* [num_layers, 6] addresses: input norm, qkv, o, post norm, gate_up, down */
@@ -222,6 +222,7 @@ typedef struct {
     int head_bits;
     int64_t head_rows;
     ProductBalance *balance;     /* the caller's, learnt on from step to step; NULL: equal shares */
+    int embedding_bits;          /* 16 or 8: rows of a tied 8-bit head, dequantized (q d, rounded once) */
 } StackModel;
 
 /* One step's rows: row r is token token_ids[r] at positions[r], its K/V stored at out_slots[r];

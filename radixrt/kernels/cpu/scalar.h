@@ -20,6 +20,21 @@ static inline uint16_t float_to_bf16(float f) {
 
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
+/* An IEEE half (a GGUF scale) as float, exactly: normals, subnormals, zeros, infinities, NaNs. */
+static inline float fp16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0x1F) {
+        v.u = sign | 0x7F800000 | (mantissa << 13);
+    } else if (exponent != 0) {
+        v.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {  /* zero or subnormal: mantissa * 2^-24, exact in float */
+        v.f = (float)mantissa * 5.9604644775390625e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+}
+
 /*
  * exp(x), x clamped to float's normal range: 2^i * 2^f with i = round(x log2 e), f in
  * [-0.5, 0.5] and Cephes' polynomial for 2^f (relative error ~2e-7, far below bf16's).
