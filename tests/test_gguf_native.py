@@ -20,7 +20,7 @@ import transformers
 
 from radixrt.benchmarks.gguf_models import LlamaShape, llama_cpp_permute, write_llama_gguf
 from radixrt.kernels import cpu
-from radixrt.model import gguf_loader
+from radixrt.model import gguf_loader, gguf_plan
 from radixrt.model.gguf_file import GGUFFile
 from radixrt.model.gguf_int4 import PROJECTIONS, Int4Weight, projection
 from radixrt.model.llama import LlamaForCausalLM
@@ -233,11 +233,11 @@ def test_missing_tensors_and_unknown_architectures_are_refused(tmp_path):
 def test_not_enough_memory_is_refused_before_allocating(q4_file, monkeypatch):
     allocated = []
     monkeypatch.setattr(gguf_loader.LlamaForCausalLM, "__init__", lambda *a, **k: allocated.append(a))
-    monkeypatch.setattr(gguf_loader, "available_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr(gguf_plan, "available_memory_bytes", lambda: 2**20)
     with pytest.raises(ValueError, match=r"q4\.gguf: not enough memory: the weights need 0\.0\d GiB .* and the "
                                          r"KV pool 0\.00 GiB, but 0\.00 GiB is available"):  # fmt: skip
         load_model(q4_file, dtype="bfloat16", weights="native")
-    monkeypatch.setattr(gguf_loader, "available_memory_bytes", lambda: 2**30)
+    monkeypatch.setattr(gguf_plan, "available_memory_bytes", lambda: 2**30)
     with pytest.raises(ValueError, match=r"the KV pool 2\.00 GiB, but 1\.00 GiB is available"):
         load_model(q4_file, dtype="bfloat16", kv_pool_bytes=lambda shape: 2 * 2**30)
     assert not allocated

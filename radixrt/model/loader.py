@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from radixrt.memory.kv_cache import KVShape
-from radixrt.model import gguf_loader
+from radixrt.model import gguf_loader, gguf_plan
 from radixrt.model.checkpoint import checkpoint_bytes, checkpoint_weights
 from radixrt.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixrt.model.gguf_cache import gguf_to_hf_folder
@@ -199,7 +199,7 @@ def load_model(
     file = _checked_gguf(source) if source.is_file() else None
     if weights == "auto":
         native = (file is not None and gguf_loader.is_native_architecture(file) and resolved_device.type == "cpu"
-                  and resolved_dtype == torch.bfloat16 and gguf_loader.has_native_projections(file))
+                  and resolved_dtype == torch.bfloat16 and gguf_plan.has_native_projections(file))
         weights = "native" if native else "dense"
     if weights == "native":
         if file is None or not gguf_loader.is_native_architecture(file):
@@ -241,9 +241,9 @@ def _load_gguf(file: GGUFFile, name: str, device: torch.device, dtype: torch.dty
                kv_pool_bytes: Callable[[KVShape], int] | None) -> LoadedModel:
     started = time.perf_counter()
     config, tokenizer, read_hf_config = gguf_loader.config_and_tokenizer(file)
-    plan = gguf_loader.plan_tensors(file, config, native)
+    plan = gguf_plan.plan_tensors(file, config, native)
     native = any(plan.native) or plan.head is not None  # else every tensor fell back to dense
-    gguf_loader.check_memory(file, plan, config, device, dtype, kv_pool_bytes)
+    gguf_plan.check_memory(file, plan, config, device, dtype, kv_pool_bytes)
     logger.info("loading %s: %.0f MB of GGUF tensors from %s as %s on %s, %s", name, file.path.stat().st_size / 2**20,
                 file.path, str(dtype).removeprefix("torch."), device,
                 "quantized projections as stored" if native else "every weight dense")
