@@ -37,7 +37,9 @@ from pathlib import Path
 _CHILD = """
 import json, os, resource, sys, time
 started = float(os.environ["BENCH_SPAWNED_AT"])
+import radixrt
 from radixrt import Runtime
+assert radixrt.__file__.startswith(os.environ["PYTHONPATH"]), radixrt.__file__
 with Runtime(model=sys.argv[1], max_total_tokens=4096) as rt:
     out = rt.generate("The capital of France is", {"max_new_tokens": 1, "temperature": 0})
     first_token_s = time.time() - started
@@ -56,8 +58,9 @@ def build(path: Path) -> None:
 
 def start(checkout: Path, model: Path, cache: Path) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(checkout), RADIXRT_CACHE_DIR=str(cache), BENCH_SPAWNED_AT=str(time.time()))
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(model)], env=env, capture_output=True, text=True,
-                          check=False)  # fmt: skip
+    # run from the checkout: `python -c` puts the working directory first on sys.path
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(model)], env=env, cwd=checkout, capture_output=True,
+                          text=True, check=False)  # fmt: skip
     if done.returncode:
         raise RuntimeError(f"{checkout}: the start failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -71,7 +74,7 @@ def compiled_kernels(checkout: Path, where: Path) -> Path:
     """The checkout's own compiled CPU kernels (built once into `where`/kernels)."""
     env = dict(os.environ, PYTHONPATH=str(checkout), RADIXRT_CACHE_DIR=str(where))
     subprocess.run([sys.executable, "-c", "from radixrt.kernels import cpu; assert cpu.quantized_matmul()"],
-                   env=env, check=True)  # fmt: skip
+                   env=env, cwd=checkout, check=True)  # fmt: skip
     return where / "kernels"
 
 

@@ -21,8 +21,8 @@ import transformers
 from radixrt.benchmarks.gguf_models import LlamaShape, llama_cpp_permute, write_llama_gguf
 from radixrt.kernels import cpu
 from radixrt.model import gguf_loader, gguf_plan
-from radixrt.model.gguf_file import GGUFFile
-from radixrt.model.gguf_int4 import PROJECTIONS, Int4Weight, projection
+from radixrt.model.gguf_file import GGUFFile, GGUFTensor
+from radixrt.model.gguf_int4 import PROJECTIONS, Int4Weight, int4_weight, projection
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import load_model
 from radixrt.paths import CACHE_ENV_VAR
@@ -116,6 +116,45 @@ def test_native_codes_equal_the_reference_dequantizer(mixed_file):
             part = file_order(weight[start : start + rows], f"blk.0.{name}.weight")
             assert np.array_equal(part, expected[f"blk.0.{name}.weight"]), name
             start += rows
+
+
+def gguf_rows_packed(matmul, parts, config) -> torch.Tensor:
+    """`pack_gguf_q4` over these tensors' rows, q/k reordered as the loader does."""
+    from radixrt.model.gguf_loader import _row_order
+
+    addresses, kinds = [], []
+    for part in parts:
+        order = _row_order(part, config)
+        rows = torch.arange(part.shape[0]) if order is None else order
+        addresses.append(part.data.ctypes.data + rows * part.data.shape[1])
+        kinds.append(torch.full((part.shape[0],), int(part.type_name == "Q4_1"), dtype=torch.uint8))
+    return matmul.pack_gguf_q4(torch.cat(addresses), torch.cat(kinds), parts[0].shape[1]).data
+
+
+def test_file_blocks_repack_in_c_exactly_as_from_codes(mixed_file):
+    matmul = cpu.quantized_matmul()
+    if matmul is None:
+        pytest.skip("no AVX512-BF16: the 4-bit layout is not used")
+    file, config = GGUFFile(mixed_file), load_model(mixed_file, dtype="float32").config
+    for fused, names in PROJECTIONS.items():  # layer 0: Q4_0 parts and a Q4_1 attn_k, q/k rows reordered
+        parts = [file.tensors[f"blk.0.{name}.weight"] for name in names]
+        codes = projection(file, 0, fused, config)
+        expected = matmul.pack_int4(codes.codes, codes.scales, codes.offsets).data
+        assert torch.equal(gguf_rows_packed(matmul, parts, config), expected), fused
+    # Q4_0 scales at fp16's edges: -8 d is exact for subnormals, zeros and normals, refused past 8192
+    scales = [0x0001, 0x03FF, 0x0080, 0x8001, 0x0000, 0x8000, 0x3C00, 0xBC00, 0x6FFF, 0x0400, 0x07FF, 0x2E66,
+              0x5800, 0xD7FF, 0x0200, 0x8200]  # fmt: skip
+    rng = np.random.default_rng(0)
+    blocks = np.zeros((16, 18), dtype=np.uint8)
+    blocks[:, :2] = np.array(scales, dtype=np.uint16).view(np.uint8).reshape(16, 2)
+    blocks[:, 2:] = rng.integers(0, 256, (16, 16), dtype=np.uint8)
+    edge = GGUFTensor("edge", "Q4_0", (16, 32), blocks)
+    weight = int4_weight(edge)
+    expected = matmul.pack_int4(weight.codes, weight.scales, weight.offsets).data
+    assert torch.equal(gguf_rows_packed(matmul, [edge], config), expected)
+    blocks[0, :2] = np.array([0x7400], dtype=np.uint16).view(np.uint8)  # 16384: -8 d overflows fp16
+    with pytest.raises(ValueError, match="does not fit in float16"):
+        gguf_rows_packed(matmul, [GGUFTensor("edge", "Q4_0", (16, 32), blocks)], config)
 
 
 def test_native_load_keeps_no_dense_projection(q4_file):
@@ -241,6 +280,13 @@ def test_not_enough_memory_is_refused_before_allocating(q4_file, monkeypatch):
     with pytest.raises(ValueError, match=r"the KV pool 2\.00 GiB, but 1\.00 GiB is available"):
         load_model(q4_file, dtype="bfloat16", kv_pool_bytes=lambda shape: 2 * 2**30)
     assert not allocated
+
+
+def test_a_runtime_asking_for_a_kv_pool_beyond_memory_is_refused_with_the_numbers(q4_file):
+    from radixrt import Runtime
+
+    with pytest.raises(ValueError, match=r"not enough memory: .* and the KV pool \d+\.\d\d GiB"):
+        Runtime(q4_file, max_total_tokens=10**10)
 
 
 def test_quantized_4bit_weight_shapes_are_checked(q4_file):

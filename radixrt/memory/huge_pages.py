@@ -59,17 +59,18 @@ class SideBySide:
         self._first = 0 if whole is None else -whole.data_ptr() % HUGE_PAGE
         self._next = 0
 
-    def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The next slot holding a copy of `tensor` (contiguous uint8 of the slot's size); the
-        tensor itself where the OS has no anonymous mappings."""
-        if self._next >= len(self._sizes) or tensor.numel() != self._sizes[self._next]:
-            raise ValueError(f"slot {self._next} of {len(self._sizes)}: a tensor of {tensor.numel()} bytes does not fit")
+    def take(self, num_bytes: int) -> torch.Tensor:
+        """The next slot, to be written into (`num_bytes` must be its size); fresh memory where
+        the OS has no anonymous mappings."""
+        if self._next >= len(self._sizes) or num_bytes != self._sizes[self._next]:
+            raise ValueError(f"slot {self._next} of {len(self._sizes)}: {num_bytes} bytes do not fit")
         start = self._first + self._starts[self._next]
         self._next += 1
-        if self._whole is None:
-            return tensor
-        copy = self._whole[start : start + tensor.numel()].view(tensor.shape)
-        return copy.copy_(tensor)
+        return torch.empty(num_bytes, dtype=torch.uint8) if self._whole is None else self._whole[start : start + num_bytes]
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The next slot holding a copy of `tensor` (contiguous uint8 of the slot's size)."""
+        return self.take(tensor.numel()).view(tensor.shape).copy_(tensor)
 
 
 def release_free_heap() -> None:

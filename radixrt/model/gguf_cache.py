@@ -1,14 +1,16 @@
-"""GGUF files, converted once into a cached Hugging Face folder.
+"""GGUF files of architectures radixrt does not read directly yet, converted once into a cached
+Hugging Face folder through transformers (a Llama-family GGUF is read in place: `gguf_loader`).
 
-transformers de-quantizes a GGUF checkpoint into an fp32 model in ~15-25 s on
-a small CPU; every later load would pay that again. So the first load writes
-what transformers produced (config.json, model.safetensors in fp32,
-generation_config.json, tokenizer files with the chat template) into a cache
-folder and every load reads that folder like any other checkpoint.
+transformers de-quantizes a GGUF checkpoint into an fp32 model; every later
+load would pay that again. So the first load writes what transformers
+produced (config.json, model.safetensors in fp32, generation_config.json,
+tokenizer files with the chat template) into a cache folder and every load
+reads that folder like any other checkpoint. Benchmarks also use it to give
+transformers-based peers a folder.
 
     $RADIXRT_CACHE_DIR (default ~/.cache/radixrt)/
-        SmolLM2-135M-Instruct.Q4_1-<key>/        complete: renamed into place last
-        .tmp-SmolLM2-135M-Instruct.Q4_1-<key>-<pid>-<random>/   being written
+        <file stem>-<key>/        complete: renamed into place last
+        .tmp-<file stem>-<key>-<pid>-<random>/   being written
 
 The folder is written under a temporary name and renamed into place, so a
 crash leaves at worst a `.tmp-*` folder (removed by a later conversion once

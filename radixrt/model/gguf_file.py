@@ -10,9 +10,9 @@ so a load never holds a second copy of the file. Every size is checked
 against the file's length and the tensor's shape when the file is opened: a
 truncated or corrupt file is a ValueError naming the file (and the tensor),
 never a crash or a read past the end later. gguf's own `GGUFReader` turns
-each of the tokenizer's ~100k strings into a numpy array (2 s for the
-bundled model); this reader keeps string arrays as Python strings, and only
-where asked (`metadata_bytes` is all a warm start hashes).
+each of the tokenizer's ~100k strings into a numpy array, which makes it
+several times slower (docs/model.md has the times); this reader keeps them
+as Python strings, and a warm start hashes only `metadata_bytes`.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixrt.kernels import cpu
 from radixrt.memory import huge_pages
 from radixrt.model import gguf_int4, linear
 from radixrt.model.config import ModelConfig
@@ -102,12 +103,10 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
                     start += part.shape[0]
                 layer.set_dense_projection(fused, dense)
             layer.prepack()
-            if plan.native[index]:
+            if placed is not None:  # straight from the file's blocks into the buffer a step reads
+                layer.use_int4({fused: _packed(parts, config, placed) for fused, parts in plan.native[index].items()})
+            elif plan.native[index]:
                 layer.use_int4({fused: _int4(parts, config) for fused, parts in plan.native[index].items()})
-                if placed is not None and layer.int4_steps is None:
-                    placed = None  # no whole-step kernel here: the layers stay where they were packed
-                if placed is not None:
-                    layer.place_packed(placed)
             file.release([part for parts in (*plan.native[index].values(), *plan.dense[index].values())
                           for part in parts])
     if any(plan.native) or plan.head is not None:
@@ -157,6 +156,21 @@ def dequantize_into(destination: torch.Tensor, tensor: GGUFTensor, row_order: to
             rows.index_copy_(0, inverse[start : start + block.shape[0]].to(rows.device), block.to(rows.dtype))
 
 
+def _packed(parts: list[GGUFTensor], config: ModelConfig, placed: huge_pages.SideBySide) -> cpu.PackedWeight:
+    """A fused projection's Q4_0/Q4_1 parts in the kernel's layout, written into the next slot of
+    `placed` by `pack_gguf.c` from the rows' addresses in the mapped file (q/k rows reordered)."""
+    matmul = cpu.quantized_matmul()
+    assert matmul is not None  # `_packed_buffer` asked
+    addresses, kinds = [], []
+    for part in parts:
+        order = _row_order(part, config)
+        rows = torch.arange(part.shape[0]) if order is None else order
+        addresses.append(part.data.ctypes.data + rows * part.data.shape[1])
+        kinds.append(torch.full((part.shape[0],), 1 if part.type_name == "Q4_1" else 0, dtype=torch.uint8))
+    num_rows, num_cols = sum(part.shape[0] for part in parts), parts[0].shape[1]
+    return matmul.pack_gguf_q4(torch.cat(addresses), torch.cat(kinds), num_cols, placed.take(num_rows * num_cols * 5 // 8))
+
+
 def _int4(parts: list[GGUFTensor], config: ModelConfig) -> Int4Weight:
     weights = []
     for part in parts:
@@ -168,7 +182,8 @@ def _int4(parts: list[GGUFTensor], config: ModelConfig) -> Int4Weight:
 
 def _row_order(tensor: GGUFTensor, config: ModelConfig) -> torch.Tensor | None:
     """The rows that undo llama.cpp's rotary reordering, for a q or k projection."""
-    kind = tensor.name.split(".")[2]
+    pieces = tensor.name.split(".")
+    kind = pieces[2] if len(pieces) > 2 and pieces[0] == "blk" else None
     if kind not in ("attn_q", "attn_k"):
         return None
     return gguf_int4.unpermute_rows(tensor.shape[0], config.num_heads if kind == "attn_q" else config.num_kv_heads)

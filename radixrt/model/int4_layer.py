@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -47,17 +47,19 @@ class Int4LayerSteps:
 
     @staticmethod
     def create(
-        weights: dict[str, Int4Weight], input_norm: torch.Tensor, post_attention_norm: torch.Tensor, eps: float,
-        num_heads: int, num_kv_heads: int, head_dim: int,
+        weights: Mapping[str, Int4Weight | cpu.PackedWeight], input_norm: torch.Tensor, post_attention_norm: torch.Tensor,
+        eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
     ) -> Int4LayerSteps | None:
-        """The steps for this layer, or None where the kernels do not run (no compiler or
-        AVX512-BF16, non-bf16 norms, shapes outside the kernel's tiles)."""
+        """The steps for this layer (its weights as codes, or already in the kernel's layout), or
+        None where the kernels do not run (no compiler or AVX512-BF16, non-bf16 norms, shapes
+        outside the kernel's tiles)."""
         kernels, matmul = cpu.int4_layer(), cpu.quantized_matmul()
         if kernels is None or matmul is None or input_norm.dtype != torch.bfloat16:
             return None
-        if not all(matmul.supports(weight.shape) for weight in weights.values()):
+        if not all(isinstance(w, cpu.PackedWeight) or matmul.supports(w.shape) for w in weights.values()):
             return None
-        packed = {name: matmul.pack_int4(w.codes, w.scales, w.offsets) for name, w in weights.items()}
+        packed = {name: w if isinstance(w, cpu.PackedWeight) else matmul.pack_int4(w.codes, w.scales, w.offsets)
+                  for name, w in weights.items()}  # fmt: skip
         return Int4LayerSteps(
             kernels, packed["qkv"], packed["o"], packed["gate_up"], packed["down"], input_norm, post_attention_norm,
             eps, (num_heads, num_kv_heads, head_dim),

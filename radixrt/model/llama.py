@@ -82,6 +82,11 @@ class StackedStep:
 StepPlan = Mapping[LayerAttention, Any] | StackedStep
 
 
+def packed_shape(weight: cpu.PackedWeight) -> tuple[int, int]:
+    """[rows, inputs] of a weight in radixrt's kernel layout ([tiles, groups, bytes])."""
+    return weight.num_rows, int(weight.data.shape[1]) * cpu.QuantizedMatmul.GROUP
+
+
 def _packed_on_first_call(weight: torch.Tensor, bias: torch.Tensor | None = None) -> linear.Linear:
     return linear.on_first_call(lambda: linear.pack(weight, bias))
 
@@ -183,14 +188,16 @@ class LlamaDecoderLayer(nn.Module):
         setattr(self, _PROJECTION_PARAMETERS[name], nn.Parameter(weight, requires_grad=False))
         self._bind_linears(linear.plain)
 
-    def use_int4(self, weights: dict[str, Int4Weight]) -> None:
-        """Multiply by these 4-bit projections (any of "qkv", "o", "gate_up", "down") at every step
-        size; the others stay dense. Their dense parameters are dropped: a projection that runs
-        quantized is held once, in the kernel's layout, never beside a dense copy."""
+    def use_int4(self, weights: Mapping[str, Int4Weight | cpu.PackedWeight]) -> None:
+        """Multiply by these 4-bit projections (any of "qkv", "o", "gate_up", "down"; as codes, or
+        already in radixrt's kernel layout) at every step size; the others stay dense. Their dense
+        parameters are dropped: a projection that runs quantized is held once, in the kernel's
+        layout, never beside a dense copy."""
         shapes = self.projection_shapes()
         for name, weight in weights.items():
-            if weight.shape != shapes[name]:
-                raise ValueError(f"layer {self.index} {name}: 4-bit shape {weight.shape}, model expects {shapes[name]}")
+            shape = weight.shape if isinstance(weight, Int4Weight) else packed_shape(weight)
+            if shape != shapes[name]:
+                raise ValueError(f"layer {self.index} {name}: 4-bit shape {shape}, model expects {shapes[name]}")
         dtype, device = self.input_norm.dtype, self.input_norm.device
         for name in weights:
             setattr(self, _PROJECTION_PARAMETERS[name], _weight(0, device=device, dtype=dtype))
@@ -208,14 +215,9 @@ class LlamaDecoderLayer(nn.Module):
                 return
         biases = {"qkv": self.qkv_bias, "o": self.o_bias}
         for name, weight in weights.items():
-            setattr(self, name, linear.int4(weight, dtype, biases.get(name)))
-
-    def place_packed(self, buffer: huge_pages.SideBySide) -> None:
-        """Move this layer's packed 4-bit weights into their slots of `buffer` (in
-        `Int4LayerSteps.packed_weights` order); the originals go."""
-        assert self.int4_steps is not None
-        steps = self.int4_steps
-        self.use_int4_steps(steps.with_packed_data(iter([buffer.place(p.data) for p in steps.packed_weights()])))
+            bias = biases.get(name)
+            made = linear.int4(weight, dtype, bias) if isinstance(weight, Int4Weight) else linear.packed(weight, bias)
+            setattr(self, name, made)
 
     def use_int4_steps(self, steps: Int4LayerSteps) -> None:
         """Run small steps in `steps`' two C calls, and larger ones through the same packed
@@ -362,8 +364,8 @@ class LlamaForCausalLM(nn.Module):
         radixrt's kernel runs (`embedding_runs_quantized`) is the embedding too: rows are
         dequantized as looked up and the dense table is dropped (the caller need not fill it);
         otherwise the dense embedding stays, only looked up. `placed`: the buffer every layer's
-        packed weights were already moved into (`LlamaDecoderLayer.place_packed`), whose last
-        slot takes a packed head."""
+        packed weights were already written into (`huge_pages.SideBySide`), whose last slot
+        takes a packed head."""
         self._native = True
         if head is not None:
             if head.shape != tuple(self.lm_head.shape):

@@ -9,6 +9,8 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
                         gather in front of it copies every key once more per
                         layer. Here each key and value is read once, in
                         place, for all the query heads that share it.
+    pack_gguf.c         GGUF Q4_0/Q4_1 rows into quantized_matmul.c's layout in one
+                        pass over the file's blocks, at load.
     rms_norm.c          torch's bf16 rms_norm is about eight ops; here one
                         pass, with the residual add fused in.
     quantized_matmul.c  torch's 4-bit CPU matmul dequantizes to float32 and
@@ -246,6 +248,9 @@ class QuantizedMatmul:
             pointer, pointer, i32,  # out fp32, out bf16, num_threads
         ]
         self._fn.restype = i32
+        self._pack_gguf = library.radixrt_pack_gguf_q4_rows
+        self._pack_gguf.argtypes = [pointer, pointer, i64, i64, pointer, i32]  # rows, kinds, N, K, out, threads
+        self._pack_gguf.restype = i32
 
     def supports(self, shape: tuple[int, int]) -> bool:
         """Whether a [N, K] weight fits the layout: N a multiple of 16 rows, K of 32 inputs."""
@@ -261,6 +266,26 @@ class QuantizedMatmul:
         blocks = torch.cat([chunks, self._fp16_rows(scales, tiles, groups), self._fp16_rows(offsets, tiles, groups)], -1)
         return PackedWeight(blocks.contiguous(), 4, codes.shape[0])
 
+    def pack_gguf_q4(self, rows: torch.Tensor, kinds: torch.Tensor, num_cols: int,
+                     out: torch.Tensor | None = None) -> PackedWeight:
+        """GGUF Q4_0/Q4_1 rows in the 4-bit layout, straight from their blocks (`pack_gguf.c`): what
+        `pack_int4` makes of the same codes, scales and offsets, in one pass. `rows` [N] int64: the
+        address of each row's blocks (the caller keeps them alive); `kinds` [N] uint8: 0 for Q4_0,
+        1 for Q4_1; `out`: N * K * 5 / 8 bytes to write into (a slot of the weights' buffer)."""
+        num_rows = rows.numel()
+        tiles, groups = self._tiles_of(num_rows, num_cols)
+        data = torch.empty(tiles * groups * 320, dtype=torch.uint8) if out is None else out
+        if data.numel() != tiles * groups * 320 or not data.is_contiguous() or data.dtype != torch.uint8:
+            raise ValueError(f"out must be {tiles * groups * 320} contiguous bytes")
+        rows, kinds = rows.to(torch.int64).contiguous(), kinds.to(torch.uint8).contiguous()
+        status = self._pack_gguf(rows.data_ptr(), kinds.data_ptr(), num_rows, num_cols, data.data_ptr(), _threads())
+        if status == -1:
+            raise ValueError("a Q4_0 block's offset (-8 times its scale) does not fit in float16")
+        if status:
+            raise ValueError(f"pack_gguf_q4: rows must be Q4_0 or Q4_1 and the shape whole tiles, got ({num_rows}, "
+                             f"{num_cols})")
+        return PackedWeight(data.view(tiles, groups, 320), 4, num_rows)
+
     def pack_int8(self, codes: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
         """w = codes * scales (codes [N, K] int8; scales [N, K // 32], exact in fp16) in the kernel's layout."""
         tiles, groups = self._tiles(codes)
@@ -270,7 +295,9 @@ class QuantizedMatmul:
         return PackedWeight(blocks.contiguous(), 8, codes.shape[0])
 
     def _tiles(self, codes: torch.Tensor) -> tuple[int, int]:
-        num_rows, num_cols = codes.shape
+        return self._tiles_of(*codes.shape)
+
+    def _tiles_of(self, num_rows: int, num_cols: int) -> tuple[int, int]:
         if not self.supports((num_rows, num_cols)):
             raise ValueError(f"weight shape {(num_rows, num_cols)}: rows must be a multiple of 16, columns of 32")
         return num_rows // self.TILE_ROWS, num_cols // self.GROUP
