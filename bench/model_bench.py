@@ -243,14 +243,15 @@ def step_weight_bytes(loaded: LoadedModel) -> int:
 
     native = loaded.weights == "native"
     head = read_lm_head(bundled_model_path()) if native else None  # native: only the bundled model
-    numel = model.lm_head.numel()
     if head is None:
         total = dense_bytes(model.lm_head)
     else:
+        numel = head.shape[0] * head.shape[1]  # the dense table may be gone: a tied head is the embedding
         total = numel + numel // 32 * 2 if isinstance(head, Int8Weight) else int4_bytes(numel)
     for layer in model.layers:
-        for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            total += int4_bytes(weight.numel()) if native else dense_bytes(weight)
+        for name, shape in layer.projection_shapes().items():  # native: the dense parameters are empty
+            weight = getattr(layer, f"{name}_proj")
+            total += int4_bytes(shape[0] * shape[1]) if native else dense_bytes(weight)
     return total
 
 
@@ -303,7 +304,9 @@ def run(args: argparse.Namespace, folder: Path | None) -> None:
         for weights in args.weights.split(","):
             loaded = load_model(folder, device="cpu", dtype=dtype, weights=weights)
             if hf_model is None:
-                hf_model = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=loaded.model.dtype)
+                source = {"gguf_file": loaded.path.name} if loaded.path.is_file() else {}  # a GGUF read in place
+                hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+                    loaded.path.parent if source else loaded.path, dtype=loaded.model.dtype, **source)
                 hf_model.eval()
             weight_bytes = step_weight_bytes(loaded)
             floor = weight_bytes / bandwidth
