@@ -7,6 +7,7 @@ cheap in any thread; `radixrt.sampling.sampler` turns them into tokens.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -53,6 +54,30 @@ def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+# The output constraints, SGLang's names; a request takes at most one (radixrt.sampling.grammar).
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+
+def _normalise_json_schema(value: Any) -> str | None:
+    """A JSON Schema as canonical text: a dict is serialised, a string must parse to an object."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        try:
+            return json.dumps(value, sort_keys=True)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"json_schema must be JSON-serialisable: {error}") from None
+    if not isinstance(value, str):
+        raise ValueError(f"json_schema must be a JSON Schema as a dict or a JSON string, got {type(value).__name__}")
+    try:
+        parsed = json.loads(value)
+    except ValueError as error:
+        raise ValueError(f"json_schema is not valid JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"json_schema must be a JSON object (a schema), got {type(parsed).__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request generates: SGLang's sampling parameters and defaults.
@@ -80,8 +105,16 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     skip_special_tokens: bool = True
+    # Output constraints (docs/structured.md): at most one of them.
+    regex: str | None = None
+    json_schema: str | None = None  # also accepts a dict; kept as JSON text
+    ebnf: str | None = None
+    structural_tag: str | None = None  # SGLang's structural tag, as JSON text (or a dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "json_schema", _normalise_json_schema(self.json_schema))
+        if isinstance(self.structural_tag, Mapping):
+            object.__setattr__(self, "structural_tag", json.dumps(self.structural_tag, sort_keys=True))
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
         self.validate()
@@ -112,6 +145,14 @@ class SamplingParams:
             raise ValueError(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
         for name in ("ignore_eos", "return_logprob", "skip_special_tokens"):
             _bool(name, getattr(self, name))
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        for name in given:
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if len(given) > 1:
+            raise ValueError(f"give at most one output constraint of {', '.join(CONSTRAINT_FIELDS)}; got {', '.join(given)}")
+        if given and self.max_new_tokens == 0:
+            raise ValueError(f"{given[0]} constrains generated tokens: max_new_tokens must be >= 1 with it, got 0")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
             if bad:
@@ -139,6 +180,15 @@ class SamplingParams:
         if self.max_new_tokens is None:
             raise ValueError("max_new_tokens is None: resolve it for the prompt first (InputProcessor does)")
         return self.max_new_tokens
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field name, text) of the request's output constraint, or None."""
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def is_greedy(self) -> bool:
