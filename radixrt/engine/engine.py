@@ -29,6 +29,7 @@ from radixrt.engine.scheduler import ScheduledBatch, Scheduler
 from radixrt.kernels import cpu
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.runner import ModelRunner
+from radixrt.sampling.grammar import Matcher, new_bitmask
 from radixrt.sampling.sampler import Sampler, run_sampling
 
 logger = logging.getLogger("radixrt.engine")
@@ -128,8 +129,8 @@ class Engine:
         # The sampler's C passes (row stats, draws) split rows over every core, as the step did:
         # from 4 rows on that beats one thread (32 rows: 273 -> 151 us, warm)
         with cpu.kernel_threads(self._kernel_threads):
-            next_tokens = plan.sample(logits, self.sampler)
-        self.num_generated_tokens += sum(token is not None for token in next_tokens)
+            next_tokens = plan.sample(logits, self.sampler, self._vocab_size)
+        self.num_generated_tokens += sum(map(len, next_tokens))
         self.scheduler.postprocess(batch, next_tokens)
         for req, _ in batch.items:
             _report(req)
@@ -146,14 +147,20 @@ class Engine:
         """Up to `num_steps` decode steps of a steady batch in one call (`ModelRunner.decode_run`):
         the tokens, log-probabilities and K/V of as many `step`s, without the engine between them."""
         reqs = [req for req, _ in batch.items]
+        grammars = _RunGrammars.of(reqs, self._vocab_size, self.config.jump_forward)
+        masks = None if grammars is None else grammars.masks
         sampling = run_sampling(
             [r.params for r in reqs], [r.seed for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
-            [stop_token_ids(r.params, r.eos_token_ids) for r in reqs], num_steps, self._vocab_size,
+            [stop_token_ids(r.params, r.eos_token_ids) for r in reqs], num_steps, self._vocab_size, masks,
         )  # fmt: skip
-        out = self.runner.decode_run(
-            [r.fill_slice(r.num_computed, r.num_computed + 1)[0] for r in reqs], [r.num_computed for r in reqs],
-            [r.slots[: r.num_computed + num_steps] for r in reqs], sampling, num_steps, self._interrupt,
-        )  # fmt: skip
+        try:
+            out = self.runner.decode_run(
+                [r.fill_slice(r.num_computed, r.num_computed + 1)[0] for r in reqs], [r.num_computed for r in reqs],
+                [r.slots[: r.num_computed + num_steps] for r in reqs], sampling, num_steps, self._interrupt,
+            )  # fmt: skip
+        finally:
+            if grammars is not None:
+                grammars.rewind()
         self.num_steps += out.tokens.shape[0]
         self.num_computed_tokens += out.tokens.numel()
         self.num_generated_tokens += self.scheduler.postprocess_run(batch, out.tokens.tolist(), out.logprobs.tolist(),
@@ -176,6 +183,52 @@ class Engine:
             self.num_steps, len(batch.admitted), batch.num_new_tokens, sum(r.cached_len for r in batch.admitted),
             1 - pool.available / pool.num_slots, len(self.scheduler.running), len(self.scheduler.waiting),
         )
+
+
+class _RunGrammars:
+    """A decode run's `advance` call back: between two steps, each constrained row's grammar takes
+    the row's token and writes the row's next mask. `rewind` then takes those tokens back, so that
+    `Scheduler.postprocess_run` appends them to the requests as single steps would. With
+    jump-forward, the run ends at a step after which a grammar forces its next text, so that the
+    next step computes it as a draft."""
+
+    def __init__(self, rows: list[tuple[int, Matcher]], allowed: torch.Tensor, jump_forward: bool):
+        self._rows = rows
+        self._allowed = allowed
+        self._jump_forward = jump_forward
+        self._taken = 0
+        masked = torch.zeros(allowed.shape[0], dtype=torch.uint8)
+        masked[[row for row, _ in rows]] = 1
+        self.masks = cpu.RunMasks(allowed, masked, self)
+
+    @classmethod
+    def of(cls, reqs: list[Request], vocab_size: int, jump_forward: bool) -> _RunGrammars | None:
+        """The grammars of a run's constrained rows, their first step's masks written; None without any."""
+        rows = [(row, req.grammar) for row, req in enumerate(reqs) if req.grammar is not None]
+        if not rows:
+            return None
+        allowed = new_bitmask(len(reqs), vocab_size)
+        for row, grammar in rows:
+            grammar.fill_mask(allowed, row)
+        return cls(rows, allowed, jump_forward)
+
+    def __call__(self, step: int, tokens: list[int]) -> bool:
+        self._taken += 1
+        end = False
+        for row, grammar in self._rows:
+            if not grammar.accept(tokens[row]):
+                raise RuntimeError(f"token {tokens[row]} of row {row} is outside its grammar, which allowed it")
+            if grammar.is_terminated:
+                end = True
+                continue
+            grammar.fill_mask(self._allowed, row)
+            end = end or (self._jump_forward and grammar.forces_text)
+        return end
+
+    def rewind(self) -> None:
+        for _, grammar in self._rows:
+            grammar.rollback(self._taken)
+        self._taken = 0
 
 
 def _report(req: Request) -> None:

@@ -49,6 +49,7 @@ import torch
 
 from radixrt.engine.detokenizer import StopStringMatcher, TokenDecoder, make_detokenizer
 from radixrt.sampling import SamplingParams
+from radixrt.sampling.grammar import Matcher
 
 _request_counter = itertools.count()
 
@@ -82,11 +83,17 @@ class FinishReason:
         return {"type": "abort", "message": self.message}
 
 
+def ends_at_eos(params: SamplingParams) -> bool:
+    """Whether EOS ends the request: unless `ignore_eos`, and always under an output constraint,
+    whose grammar allows EOS only once it is complete."""
+    return not params.ignore_eos or params.constraint is not None
+
+
 def stop_token_ids(params: SamplingParams, eos_token_ids: Collection[int]) -> tuple[int, ...]:
-    """The tokens that end a request as a stop: its stop tokens and, unless `ignore_eos`, EOS
+    """The tokens that end a request as a stop: its stop tokens and EOS (`ends_at_eos`)
     (listed for a decode run's C loop; `token_finish_reason` tests the same rule per token without
     building the list)."""
-    return (*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids))
+    return (*params.stop_token_ids, *(eos_token_ids if ends_at_eos(params) else ()))
 
 
 def token_finish_reason(
@@ -94,10 +101,10 @@ def token_finish_reason(
 ) -> FinishReason | None:
     """Why a request ends with this new token, judged on the token alone (stop strings need the text).
 
-    `num_output_tokens` counts the new token. A stop token, or EOS unless
-    `ignore_eos`, wins over the length limit reached by the same token.
+    `num_output_tokens` counts the new token. A stop token, or EOS where it ends the request
+    (`ends_at_eos`), wins over the length limit reached by the same token.
     """
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+    if token_id in params.stop_token_ids or (token_id in eos_token_ids and ends_at_eos(params)):
         return FinishReason.stop(token_id)
     if num_output_tokens >= params.token_limit:
         return FinishReason.at_length(params.token_limit)
@@ -221,6 +228,11 @@ class Request:
     tokenizer: TokenDecoder | None = None  # None: no text, token ids only
     eos_token_ids: Collection[int] = ()
     seed: int = 0
+    # The output constraint's matcher (None: unconstrained): it has accepted exactly output_ids.
+    grammar: Matcher | None = None
+    # Jump-forward: tokens the grammar forces after output_ids, which the next decode step
+    # computes with the pending token and the sampler confirms or discards (Scheduler).
+    draft_ids: list[int] = field(default_factory=list)
 
     status: RequestStatus = RequestStatus.WAITING
     output_ids: array = field(default_factory=lambda: array("q"))
@@ -265,7 +277,10 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     def fill_slice(self, start: int, end: int) -> array:
-        """fill_ids[start:end] without building fill_ids (the per-step path)."""
+        """fill_ids[start:end] without building fill_ids (the per-step path); positions past
+        fill_ids are the draft's."""
+        if end > self.fill_len:
+            return self.fill_slice(start, self.fill_len) + array("q", self.draft_ids[: end - self.fill_len])
         num_prompt = len(self.prompt_ids)
         if end <= num_prompt:
             return self.prompt_ids[start:end]
@@ -315,6 +330,8 @@ class Request:
             self.output_top_logprobs.append(top_logprobs or [])
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
+        if self.grammar is not None and not self.grammar.accept(token_id):  # the mask let it through
+            raise RuntimeError(f"{self.rid}: token {token_id} is outside its grammar, which allowed it")
         reason = self._text.append(token_id, len(self.output_ids))
         if reason is not None:
             self.finish(reason)

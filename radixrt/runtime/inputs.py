@@ -14,6 +14,7 @@ from typing import Any, Collection, Hashable, Sequence
 
 from radixrt.engine.request import Request
 from radixrt.sampling import SamplingParams
+from radixrt.sampling.grammar import Grammars
 
 PromptInput = Any  # str | list[str] | list[int] | list[list[int]] | messages | list of messages
 
@@ -60,6 +61,8 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.limits = limits
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Output constraints are compiled here, in the caller's thread, never on the engine's.
+        self.grammars = Grammars(tokenizer, limits.vocab_size, self.eos_token_ids)
 
     def token_ids(self, prompt: PromptInput, input_ids: Any, messages: Any) -> tuple[list[list[int]], bool]:
         """The prompts' token ids, and whether the caller gave a batch (a list of prompts)."""
@@ -130,6 +133,8 @@ class InputProcessor:
         if rids is not None and len(rids) != len(prompts):
             raise ValueError(f"rid must give one id per prompt ({len(prompts)}), got {len(rids)}")
         params.validate(vocab_size=self.limits.vocab_size)
+        constraint = params.constraint
+        compiled = None if constraint is None else self.grammars.compile(*constraint)
         requests = []
         for index, ids in enumerate(prompts):
             if logprob_start_len is not None and not 0 <= logprob_start_len < max(len(ids), 1):
@@ -152,6 +157,7 @@ class InputProcessor:
                         tokenizer=self.tokenizer,
                         eos_token_ids=self.eos_token_ids,
                         seed=base_seed + i,
+                        grammar=None if compiled is None else self.grammars.matcher(compiled),
                     )
                 )
         return requests

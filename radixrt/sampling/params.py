@@ -64,7 +64,7 @@ def _normalise_json_schema(value: Any) -> str | None:
         return None
     if isinstance(value, Mapping):
         try:
-            return json.dumps(value, sort_keys=True)
+            return json.dumps(value)
         except (TypeError, ValueError) as error:
             raise ValueError(f"json_schema must be JSON-serialisable: {error}") from None
     if not isinstance(value, str):
@@ -114,7 +114,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "json_schema", _normalise_json_schema(self.json_schema))
         if isinstance(self.structural_tag, Mapping):
-            object.__setattr__(self, "structural_tag", json.dumps(self.structural_tag, sort_keys=True))
+            object.__setattr__(self, "structural_tag", json.dumps(self.structural_tag))
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
         self.validate()
