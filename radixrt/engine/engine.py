@@ -48,9 +48,12 @@ class Engine:
         # Set from any thread by `interrupt_run`: a decode run stops after its current step.
         self._interrupt = ctypes.c_int32(0)
         self.num_steps = 0
+        self.num_decode_runs = 0
         self.num_computed_tokens = 0  # tokens the model actually ran, all requests together
         self.num_generated_tokens = 0
         self.num_retracted = 0
+        self.num_draft_tokens = 0  # jump-forward tokens computed as drafts, and those the sampler confirmed
+        self.num_confirmed_draft_tokens = 0
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
 
@@ -87,6 +90,8 @@ class Engine:
             "computed_tokens": self.num_computed_tokens,
             "generated_tokens": self.num_generated_tokens,
             "retracted_requests": self.num_retracted,
+            "draft_tokens": self.num_draft_tokens,
+            "confirmed_draft_tokens": self.num_confirmed_draft_tokens,
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
         }
@@ -131,6 +136,8 @@ class Engine:
         with cpu.kernel_threads(self._kernel_threads):
             next_tokens = plan.sample(logits, self.sampler, self._vocab_size)
         self.num_generated_tokens += sum(map(len, next_tokens))
+        self.num_draft_tokens += sum(map(len, plan.drafts))
+        self.num_confirmed_draft_tokens += sum(max(len(tokens) - 1, 0) for tokens in next_tokens)
         self.scheduler.postprocess(batch, next_tokens)
         for req, _ in batch.items:
             _report(req)
@@ -162,6 +169,7 @@ class Engine:
             if grammars is not None:
                 grammars.rewind()
         self.num_steps += out.tokens.shape[0]
+        self.num_decode_runs += 1
         self.num_computed_tokens += out.tokens.numel()
         self.num_generated_tokens += self.scheduler.postprocess_run(batch, out.tokens.tolist(), out.logprobs.tolist(),
                                                                     out.top_lists())

@@ -19,7 +19,7 @@ import functools
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -40,20 +40,31 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
 
 
+def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool vector (a multiple of 32 long) as bitmask words: [words] int32."""
+    bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32)
+    words = bits.sum(dim=1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
 class Matcher:
     """One request's place in its grammar: which tokens may come next, and what the grammar forces.
 
     Not thread-safe; the engine thread is its only user once the request is queued.
     """
 
-    def __init__(self, matcher: Any, encode: Callable[[str], Sequence[int]], vocab_size: int):
+    def __init__(self, matcher: Any, encode: Callable[[str], Sequence[int]], vocab_size: int,
+                 also_allowed: torch.Tensor | None = None):  # fmt: skip
         self._matcher = matcher
         self._encode = encode
         self._vocab_size = vocab_size
+        self._also_allowed = also_allowed
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask[row]` (an int32 [rows, words] CPU tensor)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._also_allowed is not None:
+            bitmask[row] &= self._also_allowed
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False (and no change) when the grammar does not allow it."""
@@ -99,7 +110,7 @@ class Grammars:
     library happens once, on the first constrained request (`prepare` does it at will).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int],
                  compile_timeout_s: float = COMPILE_TIMEOUT_S):  # fmt: skip
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -107,7 +118,9 @@ class Grammars:
         self.compile_timeout_s = compile_timeout_s
         self._lock = threading.Lock()
         self._compiler: Any = None
+        self._info: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._json_mask: torch.Tensor | None = None
         # Compiles run here so a caller can stop waiting for one; a runaway compile keeps its
         # worker until it ends, so there are few workers and a request finds them busy quickly.
         self._workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="radixrt-grammar")
@@ -118,8 +131,8 @@ class Grammars:
             if self._compiler is None:
                 import xgrammar
 
-                info = _tokenizer_info(xgrammar, self.tokenizer, self.vocab_size, self.stop_token_ids)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._info = _tokenizer_info(xgrammar, self.tokenizer, self.vocab_size, self.stop_token_ids)
+                self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def compile(self, kind: str, text: str) -> Any:
@@ -147,13 +160,26 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def matcher(self, compiled: Any) -> Matcher:
+    def matcher(self, compiled: Any, kind: str = "") -> Matcher:
+        """A new matcher at the start of `compiled`, the grammar of a constraint of `kind`."""
         import xgrammar
 
-        return Matcher(xgrammar.GrammarMatcher(compiled), self._encode, self.vocab_size)
+        also_allowed = self._json_tokens() if kind == "json_schema" else None
+        return Matcher(xgrammar.GrammarMatcher(compiled), self._encode, self.vocab_size, also_allowed)
+
+    def _json_tokens(self) -> torch.Tensor:
+        """The tokens without a control character (bytes 0-31): JSON text never holds one raw, and
+        xgrammar 0.2.8 lets them into strings with a `maxLength`."""
+        with self._lock:
+            if self._json_mask is None:
+                allowed = torch.ones(bitmask_words(self.vocab_size) * 32, dtype=torch.bool)
+                for token, text in enumerate(self._info.decoded_vocab[: self.vocab_size]):
+                    allowed[token] = not any(byte < 32 for byte in text)
+                self._json_mask = pack_bits(allowed)
+            return self._json_mask
 
     def _encode(self, text: str) -> Sequence[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[no-any-return]
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _compile(compiler: Any, kind: str, text: str) -> Any:

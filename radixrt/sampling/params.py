@@ -64,10 +64,10 @@ def _normalise_json_schema(value: Any) -> str | None:
         return None
     if isinstance(value, Mapping):
         try:
-            return json.dumps(value)
+            value = json.dumps(value)
         except (TypeError, ValueError) as error:
             raise ValueError(f"json_schema must be JSON-serialisable: {error}") from None
-    if not isinstance(value, str):
+    elif not isinstance(value, str):
         raise ValueError(f"json_schema must be a JSON Schema as a dict or a JSON string, got {type(value).__name__}")
     try:
         parsed = json.loads(value)
@@ -75,6 +75,8 @@ def _normalise_json_schema(value: Any) -> str | None:
         raise ValueError(f"json_schema is not valid JSON: {error}") from None
     if not isinstance(parsed, dict):
         raise ValueError(f"json_schema must be a JSON object (a schema), got {type(parsed).__name__}")
+    if not parsed:
+        raise ValueError('json_schema is empty: give a schema, e.g. {"type": "object"} for any JSON object')
     return value
 
 
