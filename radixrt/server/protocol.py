@@ -48,6 +48,13 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
     rid: str | None = Field(None, min_length=1)
+    # Output constraints (radixrt.server.constraints checks them): OpenAI's response_format, or
+    # SGLang's extras; at most one. response_format is checked there, not here, so a 400 says
+    # every shape it accepts.
+    response_format: Any = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
 
     @field_validator("top_k")
     @classmethod
