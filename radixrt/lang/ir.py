@@ -98,8 +98,8 @@ def gen(
     _check_name("gen", name)
     if dtype is not None:
         if regex is not None or json_schema is not None or ebnf is not None:
-            given = [n for n, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf)) if v is not None]
-            raise ValueError(f"gen({name!r}): dtype and {given[0]} both constrain the text; give one of them")
+            other = "regex" if regex is not None else "json_schema" if json_schema is not None else "ebnf"
+            raise ValueError(f"gen({name!r}): dtype and {other} both constrain the text; give one of them")
         regex = DTYPE_REGEX[_dtype_name(name, dtype)]
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
         raise ValueError(f"gen({name!r}): max_tokens must be an int >= 0, got {max_tokens!r}")
