@@ -311,6 +311,9 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             raise APIError(400, f"sampling_params: give at most one output constraint of "
                                 f"{', '.join(CONSTRAINT_FIELDS)}; got {' and '.join(constrained)}",
                            param="sampling_params")
+        if constrained and params.get("max_new_tokens") == 0:
+            raise APIError(400, f"max_new_tokens must be >= 1 with {constrained[0]}, which constrains generated "
+                                "tokens; got 0", param="max_new_tokens")
         if body.return_logprob:
             params["return_logprob"] = True
         prompts: list[Any] = body.text if isinstance(body.text, list) else list(body.input_ids or [])

@@ -45,6 +45,9 @@ def sampling_params(body: _SamplingFields, max_tokens: int | None, top_logprobs:
     }
     constraint = body_constraint(body)
     if constraint is not None:
+        if max_tokens == 0:
+            raise ValueError(f"max_tokens must be >= 1 with {constraint.source}, which constrains generated tokens; "
+                             "got 0")
         params[constraint.field] = constraint.text
     return params
 
