@@ -48,6 +48,7 @@ YES_NO = "(yes|no)"
          ("json_schema", SCHEMA_TEXT)),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": None}},
          ("json_schema", SCHEMA_TEXT)),
+        ({"type": "json_schema", "schema": SCHEMA}, ("json_schema", SCHEMA_TEXT)),  # SGLang's shorthand
     ],
 )
 def test_response_format_maps_to_a_sampling_params_field(response_format, expected):
@@ -89,6 +90,8 @@ def test_structural_tag_format_is_passed_whole_as_sglang_does():
         ({"type": "json_object", "json_schema": {"name": "x", "schema": SCHEMA}},
          "response_format: type 'json_object' takes no field.* json_schema"),
         ({"type": "text", "schema": SCHEMA}, "response_format: type 'text' takes no field.* schema"),
+        ({"type": "json_schema", "schema": "{}"}, "response_format: with the schema beside the type"),
+        ({"type": "json_schema", "schema": SCHEMA, "name": "x"}, "response_format: with the schema beside the type"),
     ],
 )
 def test_bad_response_format_names_it_and_what_is_accepted(response_format, message):

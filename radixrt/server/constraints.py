@@ -7,6 +7,8 @@ Pure functions over plain data (docs/structured.md has the table):
     response_format {"type": "json_schema",
                      "json_schema": {"name", "schema",
                                      "strict", "description"}}  json_schema = the schema
+    response_format {"type": "json_schema",
+                     "schema": {...}}                    json_schema = the schema (SGLang's shorthand)
     response_format {"type": "structural_tag", ...}     structural_tag = the whole object (SGLang's)
     regex / json_schema / ebnf (SGLang's extras)         that field, unchanged
 
@@ -64,6 +66,12 @@ def response_format_constraint(value: Any) -> Constraint | None:
         raise ValueError(f"response_format must be one of {_SHAPES}; got type {kind!r}")
     if kind == "structural_tag":
         return Constraint("structural_tag", _json_text("response_format", value), "response_format")
+    if kind == "json_schema" and "json_schema" not in value and "schema" in value:
+        # SGLang also takes the schema beside the type, with no name: accepted as it does.
+        if set(value) != {"type", "schema"} or not isinstance(value["schema"], Mapping):
+            raise ValueError(f"response_format: with the schema beside the type, give only type and a schema "
+                             f"object; accepted: {_SHAPES}")
+        return Constraint("json_schema", _json_text("response_format.schema", value["schema"]), "response_format")
     extra = sorted(set(value) - {"type", "json_schema"})
     if extra or (kind != "json_schema" and "json_schema" in value):
         unexpected = extra or ["json_schema"]

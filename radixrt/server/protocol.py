@@ -2,7 +2,9 @@
 
 Field ranges are checked here so that a 400 names the field the client sent
 (`max_tokens`, not the engine's `max_new_tokens`). Unknown fields are
-ignored, as OpenAI does; the routes log them at debug level.
+ignored, as OpenAI does; the routes log them at debug level. vLLM's
+constraint fields are the exception (radixrt.server.constraints): ignoring
+one would return unconstrained text to a client that asked for a constraint.
 """
 
 from __future__ import annotations
