@@ -31,7 +31,7 @@ SCHEMA = {
     "required": ["answer"],
     "additionalProperties": False,
 }
-SCHEMA_TEXT = json.dumps(SCHEMA, sort_keys=True)
+SCHEMA_TEXT = json.dumps(SCHEMA)  # keys in the given order: properties are generated in it
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": SCHEMA, "strict": True}}
 YES_NO = "(yes|no)"
 
@@ -57,6 +57,17 @@ def test_response_format_maps_to_a_sampling_params_field(response_format, expect
     if constraint is not None:
         assert constraint.source == "response_format"
         assert json.loads(constraint.text) == (SCHEMA if expected[1] == SCHEMA_TEXT else {"type": "object"})
+
+
+def test_schema_text_keeps_the_clients_property_order():
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    for constraint in (
+        constraints.response_format_constraint({"type": "json_schema", "json_schema": {"name": "p", "schema": person}}),
+        constraints.body_constraint(None, {"json_schema": person}),
+    ):
+        assert constraint is not None and constraint.text == json.dumps(person)
+        assert constraint.text.index('"name"') < constraint.text.index('"age"')
+    assert gen("p", json_schema=person).params.json_schema == json.dumps(person)
 
 
 def test_structural_tag_format_is_passed_whole_as_sglang_does():
@@ -224,12 +235,14 @@ def test_generate_takes_sglang_constraints_and_nulls(app, sent):
     body = {"text": "Is it?", "sampling_params": {"max_new_tokens": 4, "temperature": 0, **nulls}}
     response = call(app, "POST", "/generate", body)
     assert response.status_code == 200, response.text
-    for field, value in (("regex", YES_NO), ("json_schema", SCHEMA_TEXT), ("ebnf", 'root ::= "yes" | "no"')):
+    cases = (("regex", YES_NO), ("json_schema", SCHEMA_TEXT), ("json_schema", SCHEMA), ("ebnf", 'root ::= "yes" | "no"'))
+    for field, value in cases:
         params = {"max_new_tokens": 12, "temperature": 0, **nulls, field: value}
         response = call(app, "POST", "/generate", {"text": "Is it?", "sampling_params": params})
         assert response.status_code == 200, response.text
     assert [constraint_of(params) for params in sent] == [
-        None, ("regex", YES_NO), ("json_schema", SCHEMA_TEXT), ("ebnf", 'root ::= "yes" | "no"')
+        None, ("regex", YES_NO), ("json_schema", SCHEMA_TEXT), ("json_schema", SCHEMA_TEXT),
+        ("ebnf", 'root ::= "yes" | "no"'),
     ]
 
 

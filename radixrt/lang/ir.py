@@ -8,6 +8,7 @@ queued on the branch's worker thread).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
@@ -101,6 +102,11 @@ def gen(
             other = "regex" if regex is not None else "json_schema" if json_schema is not None else "ebnf"
             raise ValueError(f"gen({name!r}): dtype and {other} both constrain the text; give one of them")
         regex = DTYPE_REGEX[_dtype_name(name, dtype)]
+    if isinstance(json_schema, Mapping):  # as text in the caller's key order: properties are generated in it
+        try:
+            json_schema = json.dumps(json_schema)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"gen({name!r}): json_schema must be JSON-serialisable: {error}") from None
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
         raise ValueError(f"gen({name!r}): max_tokens must be an int >= 0, got {max_tokens!r}")
     given: dict[str, Any] = {

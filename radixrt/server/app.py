@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -311,6 +312,8 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             raise APIError(400, f"sampling_params: give at most one output constraint of "
                                 f"{', '.join(CONSTRAINT_FIELDS)}; got {' and '.join(constrained)}",
                            param="sampling_params")
+        if isinstance(params.get("json_schema"), dict):  # as text in the client's key order (constraints._json_text)
+            params["json_schema"] = json.dumps(params["json_schema"])
         if constrained and params.get("max_new_tokens") == 0:
             raise APIError(400, f"max_new_tokens must be >= 1 with {constrained[0]}, which constrains generated "
                                 "tokens; got 0", param="max_new_tokens")

@@ -106,8 +106,10 @@ def _schema_text(spec: Any) -> str:
 
 
 def _json_text(where: str, value: Mapping[str, Any]) -> str:
+    """`value` as JSON text, keys in the client's order: a schema's properties are generated in
+    the order they are listed, so sorting them would reorder the fields of every reply."""
     try:
-        return json.dumps(value, sort_keys=True)
+        return json.dumps(value)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where} must be JSON-serialisable: {error}") from None
 
