@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop at this string (repeat for several)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    constraint = gen.add_argument_group("output constraint (at most one; docs/structured.md)")
+    only_one = constraint.add_mutually_exclusive_group()
+    only_one.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    only_one.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under the JSON Schema in FILE")
+    only_one.add_argument("--ebnf", metavar="FILE", help="the output is derived from the EBNF grammar in FILE")
     _add_global_options(gen, with_defaults=False)
 
     demo = commands.add_parser("demo", help="the table example: a long shared prefix hit by a second question")
@@ -177,14 +182,35 @@ def _sampling_params(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     given = {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
-        "ignore_eos": args.ignore_eos,
+        "ignore_eos": args.ignore_eos, "regex": args.regex,
+        "json_schema": _read_option_file(parser, "--json-schema", args.json_schema),
+        "ebnf": _read_option_file(parser, "--ebnf", args.ebnf),
     }
+    files = {"json_schema": args.json_schema, "ebnf": args.ebnf}
     for name, value in given.items():
         try:
             SamplingParams(**{name: value})
         except ValueError as error:
-            parser.error(f"argument --{name.replace('_', '-')}: {error}")
-    return SamplingParams(**given)
+            where = f"{files[name]}: " if files.get(name) else ""
+            parser.error(f"argument --{name.replace('_', '-')}: {where}{error}")
+    try:
+        return SamplingParams(**given)
+    except ValueError as error:  # alone each was fine: a combination (a constraint with 0 tokens)
+        parser.error(str(error))
+
+
+def _read_option_file(parser: argparse.ArgumentParser, option: str, path: str | None) -> str | None:
+    """The text of the file an option names (None when not given); an unreadable file is a usage error.
+
+    A JSON Schema file that is not JSON fails here too (SamplingParams parses it), before a model loads.
+    """
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"argument {option}: cannot read {path}: {error}")
 
 
 def _configure_logging(level: str) -> None:

@@ -61,7 +61,11 @@ def _gen(ctx: ProgramContext, expr: Gen) -> None:
     output_ids: list[int] = []
     meta_info: dict[str, Any] = {}
     parts: list[str] = []
-    for chunk in ctx.runtime.generate(input_ids=prompt, sampling_params=expr.params, stream=True):
+    try:  # the request is validated here, before anything runs (a constraint is compiled too)
+        chunks = ctx.runtime.generate(input_ids=prompt, sampling_params=expr.params, stream=True)
+    except ValueError as error:
+        raise ValueError(f"gen({expr.name!r}): {error}") from None
+    for chunk in chunks:
         output_ids.extend(chunk["output_ids"])
         parts.append(chunk["text"])
         ctx.show(chunk["text"], expr.name)  # visible to text_iter now; the ids follow when the gen ends

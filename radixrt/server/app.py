@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -29,7 +30,9 @@ from pydantic import BaseModel
 
 import radixrt
 from radixrt.runtime import Runtime
+from radixrt.sampling.params import CONSTRAINT_FIELDS
 from radixrt.server import openai_api
+from radixrt.server.constraints import Constraint
 from radixrt.server.dashboard import DASHBOARD_HTML
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.protocol import (
@@ -74,14 +77,21 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-_FIELD_FIRST = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must)")
+_FIELD_FIRST = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must| is )")
 
 
-def _bad_request(error: ValueError, default_param: str | None = None) -> APIError:
-    """A 400 naming the field: validation messages start with it ("temperature must be ...")."""
+def _bad_request(error: ValueError, default_param: str | None = None, constraint: Constraint | None = None) -> APIError:
+    """A 400 naming the field: validation messages start with it ("temperature must be ...").
+
+    An error about the output constraint names the field the client sent: the runtime's message
+    names `json_schema`, which a client that sent `response_format` never wrote.
+    """
     message = str(error)
     named = _FIELD_FIRST.match(message)
-    return APIError(400, message, param=named.group(1) if named else default_param)
+    param = named.group(1) if named else default_param
+    if constraint is not None and param == constraint.field and constraint.source != constraint.field:
+        return APIError(400, f"{constraint.source}: {message}", param=constraint.source)
+    return APIError(400, message, param=param)
 
 
 @dataclass
@@ -173,13 +183,14 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
 
         return release
 
-    async def run_plain(num_requests: int, default_param: str, request: Request, **kwargs: Any) -> list[dict]:
+    async def run_plain(num_requests: int, default_param: str, request: Request,
+                        constraint: Constraint | None = None, **kwargs: Any) -> list[dict]:
         """A whole `async_generate` call; a disconnect cancels it, which aborts its requests."""
         release = admit(num_requests)
         try:
             result = await _cancel_on_disconnect(request, runtime.async_generate(**kwargs))
         except ValueError as error:
-            raise _bad_request(error, default_param) from None
+            raise _bad_request(error, default_param, constraint) from None
         except asyncio.CancelledError:
             state.metrics.observe_aborted(num_requests)
             raise
@@ -193,7 +204,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
 
     async def run_stream(
         num_requests: int, default_param: str, events: Callable[[AsyncIterator[dict]], AsyncIterator[bytes]],
-        **kwargs: Any,
+        constraint: Constraint | None = None, **kwargs: Any,
     ) -> Response:
         """A streamed call. However the response ends (done, error, client gone, even before its
         first byte), unfinished requests are aborted and their places released."""
@@ -202,7 +213,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             chunks = await runtime.async_generate(stream=True, **kwargs)
         except ValueError as error:
             release()
-            raise _bad_request(error, default_param) from None
+            raise _bad_request(error, default_param, constraint) from None
         except BaseException:
             release()
             raise
@@ -240,11 +251,12 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         try:
             messages = body.chat_messages()
             params = openai_api.chat_sampling_params(body)
+            constraint = openai_api.body_constraint(body)
         except ValueError as error:
             raise _bad_request(error, "messages") from None
         options: dict[str, Any] = {
             "messages": messages, "sampling_params": params, "cache_salt": cache_salt(key, body.cache_salt),
-            "rid": body.rid or openai_api.new_id("chatcmpl"),
+            "rid": body.rid or openai_api.new_id("chatcmpl"), "constraint": constraint,
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -261,6 +273,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         check_model(body.model)
         try:
             params = openai_api.completion_sampling_params(body)
+            constraint = openai_api.body_constraint(body)
         except ValueError as error:
             raise _bad_request(error, "best_of") from None
         prompts = _completion_prompts(body.prompt)
@@ -269,7 +282,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         rid = body.rid or openai_api.new_id("cmpl")
         options: dict[str, Any] = {
             "sampling_params": params, "cache_salt": cache_salt(key, body.cache_salt),
-            "rid": rid if single else [f"{rid}-{i}" for i in range(len(prompts))],
+            "rid": rid if single else [f"{rid}-{i}" for i in range(len(prompts))], "constraint": constraint,
         }
         options["prompt" if is_text else "input_ids"] = prompts[0] if single else prompts
         num_requests = body.n * len(prompts)
@@ -293,6 +306,17 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "give exactly one of text or input_ids", param="text")
         params = dict(body.sampling_params or {})
+        # SGLang's client sends every constraint field, null when unused: null means none.
+        constrained = [name for name in CONSTRAINT_FIELDS if params.get(name) is not None]
+        if len(constrained) > 1:
+            raise APIError(400, f"sampling_params: give at most one output constraint of "
+                                f"{', '.join(CONSTRAINT_FIELDS)}; got {' and '.join(constrained)}",
+                           param="sampling_params")
+        if isinstance(params.get("json_schema"), dict):  # as text in the client's key order (constraints._json_text)
+            params["json_schema"] = json.dumps(params["json_schema"])
+        if constrained and params.get("max_new_tokens") == 0:
+            raise APIError(400, f"max_new_tokens must be >= 1 with {constrained[0]}, which constrains generated "
+                                "tokens; got 0", param="max_new_tokens")
         if body.return_logprob:
             params["return_logprob"] = True
         prompts: list[Any] = body.text if isinstance(body.text, list) else list(body.input_ids or [])

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any, Sequence
 
+from radixrt.server import constraints
 from radixrt.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 
@@ -21,7 +22,8 @@ def new_id(prefix: str) -> str:
 def sampling_params(body: _SamplingFields, max_tokens: int | None, top_logprobs: int, logprobs: bool) -> dict[str, Any]:
     """`SamplingParams` fields for a chat or completion body (SamplingParams validates them again).
 
-    Without `max_tokens` a request may generate what the context and the KV pool leave.
+    Without `max_tokens` a request may generate what the context and the KV pool leave. The
+    output constraint (response_format, regex, json_schema or ebnf) becomes its SamplingParams field.
     """
     params: dict[str, Any] = {
         "max_new_tokens": max_tokens,
@@ -41,7 +43,20 @@ def sampling_params(body: _SamplingFields, max_tokens: int | None, top_logprobs:
         "return_logprob": logprobs,
         "top_logprobs_num": top_logprobs,
     }
+    constraint = body_constraint(body)
+    if constraint is not None:
+        if max_tokens == 0:
+            raise ValueError(f"max_tokens must be >= 1 with {constraint.source}, which constrains generated tokens; "
+                             "got 0")
+        params[constraint.field] = constraint.text
     return params
+
+
+def body_constraint(body: _SamplingFields) -> constraints.Constraint | None:
+    """The body's output constraint; ValueError naming the field for a bad or a second one."""
+    constraints.refuse_foreign_fields(body.model_extra or {})
+    extras = {"regex": body.regex, "json_schema": body.json_schema, "ebnf": body.ebnf}
+    return constraints.body_constraint(body.response_format, extras)
 
 
 def chat_sampling_params(body: ChatCompletionRequest) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Field ranges are checked here so that a 400 names the field the client sent
 (`max_tokens`, not the engine's `max_new_tokens`). Unknown fields are
-ignored, as OpenAI does; the routes log them at debug level.
+ignored, as OpenAI does; the routes log them at debug level. vLLM's
+constraint fields are the exception (radixrt.server.constraints): ignoring
+one would return unconstrained text to a client that asked for a constraint.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
     rid: str | None = Field(None, min_length=1)
+    # Output constraints (radixrt.server.constraints checks them): OpenAI's response_format, or
+    # SGLang's extras; at most one. response_format is checked there, not here, so a 400 says
+    # every shape it accepts.
+    response_format: Any = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
 
     @field_validator("top_k")
     @classmethod
