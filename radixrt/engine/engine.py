@@ -226,9 +226,6 @@ class _RunGrammars:
         for row, grammar in self._rows:
             if not grammar.accept(tokens[row]):
                 raise RuntimeError(f"token {tokens[row]} of row {row} is outside its grammar, which allowed it")
-            if grammar.is_terminated:
-                end = True
-                continue
             grammar.fill_mask(self._allowed, row)
             end = end or (self._jump_forward and grammar.forces_text)
         return end

@@ -134,7 +134,7 @@ class InputProcessor:
             raise ValueError(f"rid must give one id per prompt ({len(prompts)}), got {len(rids)}")
         params.validate(vocab_size=self.limits.vocab_size)
         constraint = params.constraint
-        kind, compiled = (constraint[0], self.grammars.compile(*constraint)) if constraint is not None else ("", None)
+        compiled = None if constraint is None else self.grammars.compile(*constraint)
         requests = []
         for index, ids in enumerate(prompts):
             if logprob_start_len is not None and not 0 <= logprob_start_len < max(len(ids), 1):
@@ -157,7 +157,7 @@ class InputProcessor:
                         tokenizer=self.tokenizer,
                         eos_token_ids=self.eos_token_ids,
                         seed=base_seed + i,
-                        grammar=None if compiled is None else self.grammars.matcher(compiled, kind),
+                        grammar=None if compiled is None else self.grammars.matcher(compiled),
                     )
                 )
         return requests
