@@ -377,3 +377,22 @@ def test_a_mask_of_every_token_allows_every_token() -> None:
     logits = torch.randn(2, 77)
     assert torch.equal(apply_masks(logits, TokenMasks([0, 1], new_bitmask(2, 77))), logits)
 
+
+
+def test_a_structural_tag_holds_the_tagged_part_to_its_schema(tiny_runtime: Runtime) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}  # fmt: skip
+    tag = {"structures": [{"begin": "<f=weather>", "schema": schema, "end": "</f>"}], "triggers": ["<f="]}
+    grammars = tiny_runtime.inputs.grammars
+    compiled = grammars.compile("structural_tag", json.dumps(tag))
+    encode = tiny_runtime.tokenizer.encode
+
+    def accepts(text: str) -> bool:
+        matcher = grammars.matcher(compiled)
+        return all(matcher.accept(token) for token in encode(text, add_special_tokens=False))
+
+    assert accepts('free text, then <f=weather>{"city": "Paris"}</f> and more text')
+    assert not accepts("free text, then <f=weather>not json")
+    with pytest.raises(ValueError, match="structural_tag is not valid"):
+        tiny_runtime.generate(PROMPTS[0], {"structural_tag": {"structures": [{"begin": "<g>", "schema": schema,
+                                                                               "end": "</g>"}], "triggers": ["<f"]}})

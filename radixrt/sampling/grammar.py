@@ -1,6 +1,6 @@
 """Output constraints: regexes, JSON Schemas and grammars compiled into token masks (llguidance).
 
-    SamplingParams.regex | json_schema | ebnf
+    SamplingParams.regex | json_schema | ebnf | structural_tag
         ─► Grammars.compile (caller's thread, cached per constraint, time-limited)
         ─► Grammars.matcher: one `Matcher` per request (each of `n` samples its own)
         ─► per step: Matcher.fill_mask (the row's allowed tokens, a bitmask the sampler applies),
@@ -159,16 +159,42 @@ def _compile(tokenizer: Any, kind: str, text: str, vocab_size: int) -> Any:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_FORMAT)
         elif kind == "ebnf":
             grammar = llguidance.grammar_from("gbnf", text)
+        elif kind == "structural_tag":
+            grammar = _structural_tag_grammar(llguidance, text)
         else:
-            raise ValueError(f"{kind}: radixrt's grammar library ({library_version()}) does not take it; "
-                             "give the constraint as ebnf or json_schema")  # fmt: skip
-    except ValueError as error:
+            raise ValueError(f"unknown constraint {kind!r}")
+    except (ValueError, AssertionError) as error:
         raise ValueError(f"{kind} is not valid: {error}") from None
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise ValueError(f"{kind} is not valid: {_message(matcher.get_error())}")
     Matcher(matcher.deep_copy(), vocab_size).fill_mask(new_bitmask(1, vocab_size), 0)
     return matcher
+
+
+def _structural_tag_grammar(llguidance: Any, text: str) -> str:
+    """SGLang's structural tag, {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}:
+    free text in which each structure, once the text reaches a trigger its `begin` starts with,
+    is `begin`, JSON valid under its `schema`, then `end`."""
+    tag = json.loads(text)
+    if not isinstance(tag, dict) or not isinstance(tag.get("structures"), list) or not tag["structures"]:
+        raise ValueError('give {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}')
+    triggers = tag.get("triggers") or []
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("triggers must be a list of non-empty strings")
+    tags = []
+    for index, structure in enumerate(tag["structures"]):
+        if not isinstance(structure, dict) or not {"begin", "schema", "end"} <= set(structure):
+            raise ValueError(f"structures[{index}] must have begin, schema and end")
+        trigger = next((t for t in triggers if structure["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structures[{index}].begin {structure['begin']!r} starts with none of the triggers")
+        schema = structure["schema"]
+        schema = schema if isinstance(schema, dict) else json.loads(schema)
+        schema = {**schema, "x-guidance": {**JSON_FORMAT, **schema.get("x-guidance", {})}}
+        tags.append(llguidance.StructTag(trigger=trigger, begin=structure["begin"], grammar=schema,
+                                         end=structure["end"]))  # fmt: skip
+    return str(llguidance.StructTag.to_grammar(tags))
 
 
 def _message(error: str) -> str:
