@@ -119,6 +119,9 @@ def _add_global_options(parser: argparse.ArgumentParser, with_defaults: bool) ->
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=default("auto"),
                        help="outputs bitwise independent of batching, chunking, memory pressure and the cache "
                        "(docs/determinism.md); default: on where radixrt's CPU kernels serve the model")
+    group.add_argument("--jump-forward", action=argparse.BooleanOptionalAction, default=default(True),
+                       help="compute the text an output constraint forces as one step's draft (default: on; "
+                       "outputs are the same either way, docs/structured.md)")
     group.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=default(None),
                        help="default: info for demo and serve (loading phases, a status line while busy), else warning")
 
@@ -262,6 +265,7 @@ def _runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device, "dtype": args.dtype, "weights": args.weights,
         "attention_backend": args.attention_backend, "page_size": args.page_size,
         "disable_radix_cache": args.disable_radix_cache, "deterministic": args.deterministic,
+        "jump_forward": args.jump_forward,
     }
     if args.max_total_tokens is not None:
         options["max_total_tokens"] = args.max_total_tokens
