@@ -79,10 +79,13 @@ PEOPLE = ["Alice Martin", "Bruno Schmidt", "Chiara Rossi", "Daniel Okafor", "Emi
 CITIES = ["Lyon", "Hamburg", "Osaka", "Recife", "Toronto", "Pune", "Bergen", "Porto"]
 
 
+def person_request(i: int) -> str:
+    """The i-th user message of the 10-field workload (also `peers_bench.py`'s structured workload)."""
+    return f"Write a JSON record for {PEOPLE[i % 8]} (case {i}), who lives in {CITIES[(i * 3) % 8]}, with every field filled in."
+
+
 def person_prompts(count: int) -> list[list[dict[str, str]]]:
-    return [[{"role": "user", "content": f"Write a JSON record for {PEOPLE[i % 8]} (case {i}), who lives in "
-                                          f"{CITIES[(i * 3) % 8]}, with every field filled in."}]
-            for i in range(count)]  # fmt: skip
+    return [[{"role": "user", "content": person_request(i)}] for i in range(count)]
 
 
 def discharge_prompts(count: int) -> list[list[dict[str, str]]]:
