@@ -396,3 +396,23 @@ def test_a_structural_tag_holds_the_tagged_part_to_its_schema(tiny_runtime: Runt
     with pytest.raises(ValueError, match="structural_tag is not valid"):
         tiny_runtime.generate(PROMPTS[0], {"structural_tag": {"structures": [{"begin": "<g>", "schema": schema,
                                                                                "end": "</g>"}], "triggers": ["<f"]}})
+
+
+def test_jump_forward_under_memory_pressure_keeps_the_outputs(tiny_llama_dir: Path) -> None:
+    """A pool so small that drafts are dropped and requests retracted: the tree, pool and request
+    bookkeeping stay consistent after every step, and the outputs are those without jump-forward."""
+    schema = {"type": "object", "properties": {"first_key_name": {"enum": ["alpha", "beta"]},
+                                               "second_key_name": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["first_key_name", "second_key_name"], "additionalProperties": False}  # fmt: skip
+    prompts = [f"{PROMPTS[i % 3]} number {i}" for i in range(12)]
+    outputs = {}
+    for jump_forward in (True, False):
+        with Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=160, check_invariants=True,
+                     jump_forward=jump_forward) as rt:  # fmt: skip
+            results = rt.generate(prompts, {"json_schema": schema, "max_new_tokens": 40, "temperature": 0})
+            outputs[jump_forward] = [r["output_ids"] for r in results]
+            stats = rt.cache_stats()
+            assert stats["retracted_requests"] > 0, "the pool was not small enough to retract"
+            if jump_forward:
+                assert stats["confirmed_draft_tokens"] > 0
+    assert outputs[True] == outputs[False]

@@ -158,7 +158,7 @@ class Scheduler:
             if req.finish_reason is not None:
                 self._finish(req)
                 continue
-            if num > 1 or computed_prompt:
+            if num - drafted > 1 or computed_prompt:
                 self.cache.cache_computed(req)  # the prompt is computed: let others hit it now
             self._plan_draft(req)
 
