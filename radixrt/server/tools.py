@@ -1,0 +1,310 @@
+"""OpenAI tool calls: the offered functions, `tool_choice`, the model's tool-call syntax.
+
+Pure functions over plain data; `app.py` does the I/O.
+
+    tools + tool_choice ─► Functions (validated: 400 naming tools[i]... or tool_choice)
+      none       the tools are not rendered; the model answers in prose
+      auto       rendered through the chat template; the reply is parsed in the model's syntax
+      required   rendered, and the output constrained (an `ebnf` in llguidance's Lark syntax,
+      named        JSON parts as `%json{schema}`) to one call or more (one: the named function,
+                   or parallel_tool_calls false) in the model's syntax, so it always parses
+
+Syntaxes (`--tool-call-parser`, or read from the chat template when it names none):
+
+    hermes, qwen25   <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>   (repeated)
+    llama3_json      {"name": ..., "parameters": {...}}   (optionally after <|python_tag|>; "; " between calls)
+    json             [{"name": ..., "parameters": {...}}, ...]  (a template that renders tools in a
+                     syntax radixrt does not know: required or named only, never auto)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Sequence
+
+from radixrt.sampling.grammar import JSON_FORMAT
+
+# OpenAI's rule for function names.
+FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3_json")
+TOOL_CHOICES = ('"none"', '"auto"', '"required"', '{"type": "function", "function": {"name": ...}}')
+_HERMES_BEGIN, _HERMES_END = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+class Function(NamedTuple):
+    """One offered function: its name and the JSON Schema of its arguments."""
+
+    name: str
+    parameters: dict[str, Any]
+
+
+class ToolCall(NamedTuple):
+    """A parsed call: the function's name and its arguments as JSON text (OpenAI's `arguments`)."""
+
+    name: str
+    arguments: str
+
+
+class ToolChoice(NamedTuple):
+    mode: str  # none | auto | required | named
+    name: str | None = None
+
+
+def parse_functions(tools: Any) -> list[Function]:
+    """The functions of a `tools` list; ValueError naming the first bad field."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools must be a non-empty list of {\"type\": \"function\", \"function\": {...}}")
+    functions: list[Function] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            raise ValueError(f"{where}.type must be \"function\" (the only tool type radixrt runs), "
+                             f"got {tool.get('type') if isinstance(tool, Mapping) else tool!r}")
+        spec = tool.get("function")
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"{where}.function must be an object {{\"name\", \"description\", \"parameters\"}}")
+        name = spec.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.match(name):
+            raise ValueError(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}")
+        if any(f.name == name for f in functions):
+            raise ValueError(f"{where}.function.name {name!r} is offered twice")
+        if spec.get("description") is not None and not isinstance(spec["description"], str):
+            raise ValueError(f"{where}.function.description must be a string")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise ValueError(f"{where}.function.strict must be true, false or null")
+        parameters = spec.get("parameters")
+        functions.append(Function(name, _check_schema(f"{where}.function.parameters", parameters)))
+    return functions
+
+
+def _check_schema(where: str, schema: Any) -> dict[str, Any]:
+    """A function's parameters: a JSON Schema object (absent: any object); ValueError naming `where`."""
+    if schema is None:
+        return {"type": "object"}
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"{where} must be a JSON Schema object, got {type(schema).__name__}")
+    if schema.get("type", "object") != "object":
+        raise ValueError(f"{where}.type must be \"object\" (arguments are an object), got {schema.get('type')!r}")
+    properties = schema.get("properties", {})
+    if not isinstance(properties, Mapping) or not all(isinstance(p, Mapping) for p in properties.values()):
+        raise ValueError(f"{where}.properties must be an object of JSON Schemas")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError(f"{where}.required must be a list of property names")
+    try:
+        json.dumps(schema)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where} must be JSON-serialisable: {error}") from None
+    return dict(schema)
+
+
+def parse_tool_choice(value: Any, functions: Sequence[Function] | None) -> ToolChoice:
+    """`tool_choice` (default: auto with tools, none without); ValueError naming it."""
+    if value is None:
+        return ToolChoice("auto" if functions else "none")
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {value!r}")
+        if value != "none" and not functions:
+            raise ValueError(f"tool_choice {value!r} needs tools")
+        return ToolChoice(value)
+    spec = value.get("function") if isinstance(value, Mapping) and value.get("type") == "function" else None
+    name = spec.get("name") if isinstance(spec, Mapping) else None
+    if not isinstance(name, str):
+        raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {value!r}")
+    offered = [f.name for f in functions or ()]
+    if name not in offered:
+        raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
+                         f"(offered: {', '.join(offered) or 'none'})")
+    return ToolChoice("named", name)
+
+
+def detect_syntax(chat_template: str | None) -> str | None:
+    """The tool-call syntax a chat template teaches its model, or None when it names none we know."""
+    if not chat_template:
+        return None
+    if _HERMES_BEGIN in chat_template:
+        return "hermes"
+    if _PYTHON_TAG in chat_template or '"parameters": dictionary of argument name' in chat_template:
+        return "llama3_json"
+    return None
+
+
+def syntax_of(parser: str | None) -> str:
+    """The syntax a `--tool-call-parser` name stands for (qwen25 writes hermes' syntax)."""
+    return "hermes" if parser in ("hermes", "qwen25") else parser or "json"
+
+
+def call_grammar(syntax: str, functions: Sequence[Function], choice: ToolChoice, parallel: bool) -> str:
+    """The constraint (llguidance Lark, for SamplingParams.ebnf) of `required` or a named function:
+    one call (the named function, or parallel false) or more, in `syntax`."""
+    offered = [f for f in functions if choice.mode != "named" or f.name == choice.name]
+    many = parallel and choice.mode == "required"
+    key = "arguments" if syntax == "hermes" else "parameters"
+    rules = [f"f{i}: %json{json.dumps(_call_schema(f, key))}" for i, f in enumerate(offered)]
+    one = " | ".join(f"f{i}" for i in range(len(offered)))
+    if syntax == "hermes":
+        call, separator = f'"{_HERMES_BEGIN}\\n" ({one}) "\\n{_HERMES_END}"', '"\\n"'
+    elif syntax == "llama3_json":
+        call, separator = f"({one})", '"; "'
+    else:
+        call, separator = f"({one})", '", "'
+    body = f"call ({separator} call)*" if many else "call"
+    start = f'"[" {body} "]"' if syntax == "json" else body
+    return "\n".join([f"start: {start}", f"call: {call}", *rules])
+
+
+def _call_schema(function: Function, key: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function.name}, key: function.parameters},
+        "required": ["name", key],
+        "additionalProperties": False,
+        "x-guidance": JSON_FORMAT,
+    }
+
+
+def parse_calls(syntax: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """The model's text as (content, calls) in `syntax`; text that holds no well-formed call is all content."""
+    if syntax == "hermes":
+        return _parse_hermes(text)
+    stripped = text.strip()
+    if syntax == "llama3_json":
+        body = stripped[len(_PYTHON_TAG):] if stripped.startswith(_PYTHON_TAG) else stripped
+        calls = _json_calls(body, "; ")
+    else:
+        calls = _json_calls(stripped, None)
+    return (None, calls) if calls else (text, [])
+
+
+def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    start = text.find(_HERMES_BEGIN)
+    if start < 0:
+        return text, []
+    calls: list[ToolCall] = []
+    for match in re.finditer(re.escape(_HERMES_BEGIN) + r"(.*?)(?:" + re.escape(_HERMES_END) + r"|$)", text[start:],
+                             re.DOTALL):
+        call = _call_from(match.group(1).strip())
+        if call is None:
+            return text, []  # a malformed call: the text goes back as it was
+        calls.append(call)
+    content = text[:start]
+    return (content if content.strip() else None), calls
+
+
+def _json_calls(text: str, separator: str | None) -> list[ToolCall]:
+    """Calls written as JSON: one object, objects joined by `separator`, or a list of objects."""
+    if not text.startswith(("{", "[")):
+        return []
+    decoder = json.JSONDecoder()
+    values: list[Any] = []
+    position = 0
+    try:
+        while position < len(text):
+            value, position = decoder.raw_decode(text, position)
+            values.extend(value if isinstance(value, list) else [value])
+            rest = text[position:].lstrip()
+            if not rest:
+                break
+            if separator is None or not rest.startswith(separator.strip()):
+                return []
+            position = len(text) - len(rest) + len(separator.strip())
+            position += len(text[position:]) - len(text[position:].lstrip())
+    except json.JSONDecodeError:
+        return []
+    calls = [_call_from_value(v) for v in values]
+    return [c for c in calls if c is not None] if all(calls) else []
+
+
+def _call_from(text: str) -> ToolCall | None:
+    try:
+        return _call_from_value(json.loads(text))
+    except json.JSONDecodeError:
+        return None
+
+
+def _call_from_value(value: Any) -> ToolCall | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as JSON text already
+        return ToolCall(value["name"], arguments)
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def message_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """OpenAI's `message.tool_calls` of parsed calls."""
+    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+@dataclass
+class StreamedCalls:
+    """One streamed choice's text split into content deltas and tool-call deltas, as OpenAI sends them.
+
+    Content is passed on as it comes, except text that may begin a call, which is held until it
+    does or cannot; a call is sent once whole: a delta with its index, id, type and name
+    (arguments ""), then one with its arguments.
+    """
+
+    syntax: str
+    text: str = ""  # everything received
+    sent_content: int = 0  # characters of `text` sent as content
+    calls_sent: int = 0
+    in_calls: bool = False  # the text reached the first call: no more content
+
+    def feed(self, piece: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content delta, tool-call deltas) after `piece`; `final` flushes what was held."""
+        self.text += piece
+        content = ""
+        if not self.in_calls:
+            start = self._call_start()
+            if start is None:
+                safe = len(self.text) if final else self._safe_end()
+                content, self.sent_content = self.text[self.sent_content : safe], max(safe, self.sent_content)
+                return content, []
+            content = self.text[self.sent_content : start]
+            self.sent_content, self.in_calls = start, True
+        held = self.text[self.sent_content :]
+        if not final:  # only the calls whose end was seen (JSON calls end with the reply)
+            end = held.rfind(_HERMES_END) if self.syntax == "hermes" else -1
+            held = held[: end + len(_HERMES_END)] if end >= 0 else ""
+        _, calls = parse_calls(self.syntax, held) if held else (None, [])
+        whole = calls
+        deltas: list[dict[str, Any]] = []
+        if final and not calls:  # the held text never became a call: it was content after all
+            return content + self.text[self.sent_content :], []
+        for index in range(self.calls_sent, len(whole)):
+            call = whole[index]
+            deltas.append({"index": index, "id": new_call_id(), "type": "function",
+                           "function": {"name": call.name, "arguments": ""}})
+            deltas.append({"index": index, "function": {"arguments": call.arguments}})
+        self.calls_sent = max(self.calls_sent, len(whole))
+        return content, deltas
+
+    def _call_start(self) -> int | None:
+        if self.syntax == "hermes":
+            found = self.text.find(_HERMES_BEGIN, self.sent_content)
+            return None if found < 0 else found
+        stripped = self.text.lstrip()
+        if stripped.startswith((_PYTHON_TAG, "{", "[")) and self.sent_content == 0:
+            return 0
+        return None
+
+    def _safe_end(self) -> int:
+        """Content may be sent up to here: what follows could still begin a call."""
+        if self.syntax == "hermes":
+            for cut in range(len(_HERMES_BEGIN) - 1, 0, -1):
+                if self.text.endswith(_HERMES_BEGIN[:cut]):
+                    return len(self.text) - cut
+            return len(self.text)
+        # JSON syntaxes: a reply is a call only when it starts as one, so hold only leading space.
+        return len(self.text) if self.text.strip() else self.sent_content
