@@ -17,6 +17,8 @@ from radixrt.sampling import SamplingParams
 from radixrt.sampling.grammar import Grammars
 
 PromptInput = Any  # str | list[str] | list[int] | list[list[int]] | messages | list of messages
+# The roles a chat message may have (the server's and `generate(messages=...)`'s).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -93,11 +95,18 @@ class InputProcessor:
             raise ValueError(f"prompt must be a string, got {type(text).__name__}")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
-        for m in messages:
+    def encode_messages(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """A conversation's prompt through the chat template; `tools` (OpenAI's tool list) are
+        rendered by the template too. ValueError names the first message that is not one."""
+        for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            if m["role"] not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
+        options = {} if tools is None else {"tools": list(tools)}
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True, **options
+        )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def one_prompt(self, prompt: PromptInput, input_ids: Any, messages: Any) -> list[int]:
