@@ -308,3 +308,52 @@ class StreamedCalls:
             return len(self.text)
         # JSON syntaxes: a reply is a call only when it starts as one, so hold only leading space.
         return len(self.text) if self.text.strip() else self.sent_content
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "radixrt_probe", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+class TemplateTools:
+    """What the model's chat template does with tools, learnt once: whether it renders them at all,
+    and the syntax its calls take (`parser`, `--tool-call-parser`, or read from the template).
+
+    Thread-safe: the probe may run twice on a race, with the same answer.
+    """
+
+    def __init__(self, tokenizer: Any, parser: str | None = None):
+        if parser is not None and parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool-call parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {parser!r}")
+        self.tokenizer = tokenizer
+        self.parser = parser
+        self._renders: bool | None = None
+
+    def renders_tools(self) -> bool:
+        """Whether rendering a conversation with a tool differs from rendering it without."""
+        if self._renders is None:
+            conversation = [{"role": "user", "content": "hi"}]
+            try:
+                plain = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+                with_tool = self.tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=True, tools=[_PROBE_TOOL]
+                )
+            except Exception:  # a template that cannot render this probe has no usable tool format
+                self._renders = False
+            else:
+                self._renders = plain != with_tool
+        return self._renders
+
+    def syntax(self, choice: ToolChoice) -> str:
+        """The syntax to constrain and parse calls in; ValueError naming tools or tool_choice when the
+        model cannot take tools, or `auto` needs a syntax radixrt does not know."""
+        if not self.renders_tools():
+            raise ValueError("tools: this model's chat template has no tool format (it renders no tools), so "
+                             "the model cannot be offered functions; send no tools, or tool_choice \"none\"")
+        if self.parser is not None:
+            return syntax_of(self.parser)
+        syntax = detect_syntax(getattr(self.tokenizer, "chat_template", None))
+        if syntax is None and choice.mode == "auto":
+            raise ValueError("tool_choice: \"auto\" needs the model's tool-call syntax, which radixrt does not "
+                             "read from this chat template; start radixrt serve with --tool-call-parser "
+                             f"({', '.join(TOOL_CALL_PARSERS)}), or send \"required\" or a named function")
+        return syntax or "json"
