@@ -71,7 +71,7 @@ def parse_functions(tools: Any) -> list[Function]:
         if not isinstance(name, str) or not FUNCTION_NAME.match(name):
             raise ValueError(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}")
         if any(f.name == name for f in functions):
-            raise ValueError(f"{where}.function.name {name!r} is offered twice")
+            raise ValueError(f"{where}.function.name: {name!r} is offered twice")
         if spec.get("description") is not None and not isinstance(spec["description"], str):
             raise ValueError(f"{where}.function.description must be a string")
         if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
@@ -110,7 +110,7 @@ def parse_tool_choice(value: Any, functions: Sequence[Function] | None) -> ToolC
         if value not in ("none", "auto", "required"):
             raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {value!r}")
         if value != "none" and not functions:
-            raise ValueError(f"tool_choice {value!r} needs tools")
+            raise ValueError(f"tool_choice: {value!r} needs tools")
         return ToolChoice(value)
     spec = value.get("function") if isinstance(value, Mapping) and value.get("type") == "function" else None
     name = spec.get("name") if isinstance(spec, Mapping) else None
@@ -118,7 +118,7 @@ def parse_tool_choice(value: Any, functions: Sequence[Function] | None) -> ToolC
         raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}; got {value!r}")
     offered = [f.name for f in functions or ()]
     if name not in offered:
-        raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
+        raise ValueError(f"tool_choice: function {name!r} is not in tools "
                          f"(offered: {', '.join(offered) or 'none'})")
     return ToolChoice("named", name)
 
@@ -186,9 +186,11 @@ def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     if start < 0:
         return text, []
     calls: list[ToolCall] = []
-    for match in re.finditer(re.escape(_HERMES_BEGIN) + r"(.*?)(?:" + re.escape(_HERMES_END) + r"|$)", text[start:],
+    for match in re.finditer(re.escape(_HERMES_BEGIN) + r"(.*?)(" + re.escape(_HERMES_END) + r"|$)", text[start:],
                              re.DOTALL):
         call = _call_from(match.group(1).strip())
+        if call is None and calls and not match.group(2):
+            break  # a last call cut short (the token limit): the whole calls before it stand
         if call is None:
             return text, []  # a malformed call: the text goes back as it was
         calls.append(call)
