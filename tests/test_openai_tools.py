@@ -8,6 +8,7 @@ against a real `radixrt serve` with the openai client are in test_tools_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import typing
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from radixrt import Runtime
+from radixrt import Runtime, SamplingParams
 from radixrt.server import fields, openai_api, tools
 from radixrt.server.app import create_app
 from radixrt.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -315,3 +316,26 @@ def test_logit_bias_maps_to_the_sampling_parameter():
     assert openai_api.chat_sampling_params(body)["logit_bias"] == {42: 100, 7: -100}
     completion = CompletionRequest(prompt="x", logit_bias={"3": 5})
     assert openai_api.completion_sampling_params(completion)["logit_bias"] == {3: 5}
+
+
+@pytest.mark.skipif("logit_bias" not in {f.name for f in dataclasses.fields(SamplingParams)},
+                    reason="SamplingParams has no logit_bias yet (the sampler's part of issue 38)")
+def test_logit_bias_plus_100_forces_the_token(app, runtime):
+    """OpenAI's logit_bias end to end: +100 on one token makes every generated token that token."""
+    token = runtime.tokenizer.encode(" fox", add_special_tokens=False)[-1]
+    for route, base in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "Hello"})):
+        response = call(app, route, {**base, "max_tokens": 4, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+                                     "logit_bias": {str(token): 100}})
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert text == runtime.tokenizer.decode([token] * 4)
+
+
+def test_a_template_that_cannot_render_the_messages_is_a_400(tiny_llama_dir):
+    """ChatML concatenates content: an assistant turn with only tool calls is beyond it, a 400, not a 500."""
+    with Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=2048) as rt:
+        messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
+        response = call(create_app(rt), "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text

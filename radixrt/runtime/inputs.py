@@ -104,9 +104,16 @@ class InputProcessor:
             if m["role"] not in CHAT_ROLES:
                 raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
         options = {} if tools is None else {"tools": list(tools)}
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True, **options
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True, **options
+            )
+        except Exception as error:
+            import jinja2  # transformers' template engine: its errors are the template refusing the messages
+
+            if isinstance(error, jinja2.TemplateError):
+                raise ValueError(f"messages: the model's chat template cannot render them: {error}") from None
+            raise
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def one_prompt(self, prompt: PromptInput, input_ids: Any, messages: Any) -> list[int]:
