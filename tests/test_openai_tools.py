@@ -153,7 +153,7 @@ def test_streamed_tool_call_deltas(app):
 
 def test_tool_results_and_calls_flow_back_into_the_template(app, runtime):
     messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
+        {"role": "assistant", "content": None, "refusal": None, "audio": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
     ]
@@ -180,6 +180,8 @@ def test_tool_results_and_calls_flow_back_into_the_template(app, runtime):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages[0]"),
     ({"logprobs": True, "stream": True}, "logprobs"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
 ])

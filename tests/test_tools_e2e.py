@@ -100,7 +100,7 @@ def test_tool_result_round_trip(client):
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
     [call] = first.choices[0].message.tool_calls
-    messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+    messages = [*ASK, first.choices[0].message,  # the reply itself, as OpenAI's examples append it
                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
     second = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=8,
                                             temperature=0)

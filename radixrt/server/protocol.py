@@ -129,9 +129,12 @@ class ChatCompletionRequest(_SamplingFields):
                     if part.type != "text" or part.text is None:
                         raise ValueError(f"messages[{i}].content[{j}] must be a text part, got type {part.type!r}")
                 content = "".join(part.text or "" for part in content)
-            unknown = sorted(message.model_extra or {})
+            # OpenAI's other message fields: null (as clients echo a reply back) or an assistant's
+            # earlier `refusal` text ask for nothing; audio and the deprecated function_call would.
+            unknown = sorted(name for name, value in (message.model_extra or {}).items()
+                             if value is not None and name != "refusal")
             if unknown:
-                raise ValueError(f"messages[{i}]: unknown field(s) {', '.join(unknown)}; a message takes role, "
+                raise ValueError(f"messages[{i}]: field(s) {', '.join(unknown)} not served; a message takes role, "
                                  "content, name, tool_calls (assistant) and tool_call_id (tool)")
             entry: dict[str, Any] = {"role": message.role, "content": content}
             if message.tool_calls:
