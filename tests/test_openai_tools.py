@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from radixrt import Runtime, SamplingParams
-from radixrt.server import fields, openai_api, tools
+from radixrt.server import fields, openai_api, tool_parsers, tools
 from radixrt.server.app import create_app
 from radixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -62,28 +62,28 @@ def app(runtime):
 def test_hermes_parser_splits_content_and_calls():
     text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>')
-    content, calls = tools.parse_calls("hermes", text)
+    content, calls = tool_parsers.parse_calls("hermes", text)
     assert content == "Let me look.\n"
-    assert calls == [tools.ToolCall("get_weather", '{"city": "Paris"}'), tools.ToolCall("get_time", '{"utc": true}')]
-    assert tools.parse_calls("hermes", "Just prose.") == ("Just prose.", [])
+    assert calls == [tool_parsers.ToolCall("get_weather", '{"city": "Paris"}'), tool_parsers.ToolCall("get_time", '{"utc": true}')]
+    assert tool_parsers.parse_calls("hermes", "Just prose.") == ("Just prose.", [])
     broken = "<tool_call>\n{not json}\n</tool_call>"
-    assert tools.parse_calls("hermes", broken) == (broken, []), "a malformed call is returned as text"
+    assert tool_parsers.parse_calls("hermes", broken) == (broken, []), "a malformed call is returned as text"
     cut = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "get_w'
-    assert tools.parse_calls("hermes", cut) == (None, [tools.ToolCall("get_time", "{}")]), "a call cut short is dropped"
+    assert tool_parsers.parse_calls("hermes", cut) == (None, [tool_parsers.ToolCall("get_time", "{}")]), "a call cut short is dropped"
 
 
 def test_llama3_json_parser():
-    content, calls = tools.parse_calls("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": '
+    content, calls = tool_parsers.parse_calls("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": '
                                                       '{"city": "Rome"}}; {"name": "get_time", "parameters": {}}')
     assert content is None and [c.name for c in calls] == ["get_weather", "get_time"]
     assert calls[0].arguments == '{"city": "Rome"}'
-    assert tools.parse_calls("llama3_json", 'The answer is {"name": 1}')[1] == []
-    assert tools.parse_calls("llama3_json", "{not json")[1] == []
+    assert tool_parsers.parse_calls("llama3_json", 'The answer is {"name": 1}')[1] == []
+    assert tool_parsers.parse_calls("llama3_json", "{not json")[1] == []
 
 
 def test_streamed_calls_hold_back_a_possible_call_and_send_whole_calls():
     text = 'Sure <b>.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    splitter = tools.StreamedCalls("hermes")
+    splitter = tool_parsers.StreamedCalls("hermes")
     content, deltas = "", []
     for i in range(0, len(text), 4):
         piece_content, piece_deltas = splitter.feed(text[i : i + 4], False)
@@ -95,7 +95,7 @@ def test_streamed_calls_hold_back_a_possible_call_and_send_whole_calls():
     assert deltas[0]["index"] == 0 and deltas[0]["type"] == "function" and deltas[0]["id"].startswith("call_")
     assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
     assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Paris"}'
-    prose = tools.StreamedCalls("hermes")
+    prose = tool_parsers.StreamedCalls("hermes")
     assert prose.feed("a <tool", False) == ("a ", [])
     assert prose.feed("box", True) == ("<toolbox", []), "held text that never became a call is content"
 

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 import radixrt
 from radixrt.runtime import Runtime
 from radixrt.sampling.params import CONSTRAINT_FIELDS
-from radixrt.server import openai_api, tools
+from radixrt.server import openai_api, tool_parsers, tools
 from radixrt.server.constraints import Constraint
 from radixrt.server.dashboard import DASHBOARD_HTML
 from radixrt.server.metrics import ServerMetrics
@@ -527,11 +527,11 @@ async def _openai_stream(
     """Role chunks, deltas, one finish per choice, the usage chunk if asked, then [DONE].
 
     `calls` (the tool-call syntax, and whether parallel calls are kept): deltas split into content
-    and `delta.tool_calls` (tools.StreamedCalls). `echo`: each choice's prompt, sent first.
+    and `delta.tool_calls` (tool_parsers.StreamedCalls). `echo`: each choice's prompt, sent first.
     An error after the stream began is sent as a `data: {"error": ...}` event.
     """
     results: list[dict[str, Any] | None] = [None] * num_choices
-    splitters = [tools.StreamedCalls(calls[0]) for _ in range(num_choices)] if calls is not None else None
+    splitters = [tool_parsers.StreamedCalls(calls[0]) for _ in range(num_choices)] if calls is not None else None
     try:
         if writer.kind == "chat":
             for index in range(num_choices):

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, NamedTuple, Sequence
 
-from radixrt.server import constraints, fields, tools
+from radixrt.server import constraints, fields, tool_parsers, tools
 from radixrt.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 
@@ -235,12 +235,12 @@ def chat_message(r: dict[str, Any], plan: ToolPlan | None, syntax: str | None) -
     reason = finish_reason(r)
     if plan is None or syntax is None:
         return {"role": "assistant", "content": r["text"]}, reason
-    content, calls = tools.parse_calls(syntax, r["text"])
+    content, calls = tool_parsers.parse_calls(syntax, r["text"])
     if not plan.parallel:
         calls = calls[:1]
     if not calls:
         return {"role": "assistant", "content": r["text"]}, reason
-    message = {"role": "assistant", "content": content, "tool_calls": tools.message_tool_calls(calls)}
+    message = {"role": "assistant", "content": content, "tool_calls": tool_parsers.message_tool_calls(calls)}
     return message, "tool_calls" if reason == "stop" else reason
 
 
@@ -317,7 +317,7 @@ class ChunkWriter:
         return self._event([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
     def tool_call_delta(self, index: int, call: dict[str, Any]) -> dict[str, Any]:
-        """One `delta.tool_calls` entry (tools.StreamedCalls makes them), in a chunk of its own."""
+        """One `delta.tool_calls` entry (tool_parsers.StreamedCalls makes them), in a chunk of its own."""
         return self._event([{"index": index, "delta": {"tool_calls": [call]}, "finish_reason": None}])
 
     def delta(self, index: int, text: str, finish: str | None = None) -> dict[str, Any]:

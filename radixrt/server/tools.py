@@ -1,6 +1,7 @@
-"""OpenAI tool calls: the offered functions, `tool_choice`, the model's tool-call syntax.
+"""OpenAI tool calls: the offered functions, `tool_choice`, the model's template and tool-call syntax.
 
-Pure functions over plain data; `app.py` does the I/O.
+Pure functions over plain data, but for `TemplateTools`, which renders the template once; `app.py`
+does the I/O and `tool_parsers` reads calls out of the model's text.
 
     tools + tool_choice ─► Functions (validated: 400 naming tools[i]... or tool_choice)
       none       the tools are not rendered; the model answers in prose
@@ -21,18 +22,15 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from radixrt.sampling.grammar import JSON_FORMAT
+from radixrt.server.tool_parsers import HERMES_BEGIN, HERMES_END, PYTHON_TAG
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3_json")
 TOOL_CHOICES = ('"none"', '"auto"', '"required"', '{"type": "function", "function": {"name": ...}}')
-_HERMES_BEGIN, _HERMES_END = "<tool_call>", "</tool_call>"
-_PYTHON_TAG = "<|python_tag|>"
 
 
 class Function(NamedTuple):
@@ -40,13 +38,6 @@ class Function(NamedTuple):
 
     name: str
     parameters: dict[str, Any]
-
-
-class ToolCall(NamedTuple):
-    """A parsed call: the function's name and its arguments as JSON text (OpenAI's `arguments`)."""
-
-    name: str
-    arguments: str
 
 
 class ToolChoice(NamedTuple):
@@ -127,9 +118,9 @@ def detect_syntax(chat_template: str | None) -> str | None:
     """The tool-call syntax a chat template teaches its model, or None when it names none we know."""
     if not chat_template:
         return None
-    if _HERMES_BEGIN in chat_template:
+    if HERMES_BEGIN in chat_template:
         return "hermes"
-    if _PYTHON_TAG in chat_template or '"parameters": dictionary of argument name' in chat_template:
+    if PYTHON_TAG in chat_template or '"parameters": dictionary of argument name' in chat_template:
         return "llama3_json"
     return None
 
@@ -148,7 +139,7 @@ def call_grammar(syntax: str, functions: Sequence[Function], choice: ToolChoice,
     rules = [f"f{i}: %json{json.dumps(_call_schema(f, key))}" for i, f in enumerate(offered)]
     one = " | ".join(f"f{i}" for i in range(len(offered)))
     if syntax == "hermes":
-        call, separator = f'"{_HERMES_BEGIN}\\n" ({one}) "\\n{_HERMES_END}"', '"\\n"'
+        call, separator = f'"{HERMES_BEGIN}\\n" ({one}) "\\n{HERMES_END}"', '"\\n"'
     elif syntax == "llama3_json":
         call, separator = f"({one})", '"; "'
     else:
@@ -166,150 +157,6 @@ def _call_schema(function: Function, key: str) -> dict[str, Any]:
         "additionalProperties": False,
         "x-guidance": JSON_FORMAT,
     }
-
-
-def parse_calls(syntax: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """The model's text as (content, calls) in `syntax`; text that holds no well-formed call is all content."""
-    if syntax == "hermes":
-        return _parse_hermes(text)
-    stripped = text.strip()
-    if syntax == "llama3_json":
-        body = stripped[len(_PYTHON_TAG):] if stripped.startswith(_PYTHON_TAG) else stripped
-        calls = _json_calls(body, "; ")
-    else:
-        calls = _json_calls(stripped, None)
-    return (None, calls) if calls else (text, [])
-
-
-def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    start = text.find(_HERMES_BEGIN)
-    if start < 0:
-        return text, []
-    calls: list[ToolCall] = []
-    for match in re.finditer(re.escape(_HERMES_BEGIN) + r"(.*?)(" + re.escape(_HERMES_END) + r"|$)", text[start:],
-                             re.DOTALL):
-        call = _call_from(match.group(1).strip())
-        if call is None and calls and not match.group(2):
-            break  # a last call cut short (the token limit): the whole calls before it stand
-        if call is None:
-            return text, []  # a malformed call: the text goes back as it was
-        calls.append(call)
-    content = text[:start]
-    return (content if content.strip() else None), calls
-
-
-def _json_calls(text: str, separator: str | None) -> list[ToolCall]:
-    """Calls written as JSON: one object, objects joined by `separator`, or a list of objects."""
-    if not text.startswith(("{", "[")):
-        return []
-    decoder = json.JSONDecoder()
-    values: list[Any] = []
-    position = 0
-    try:
-        while position < len(text):
-            value, position = decoder.raw_decode(text, position)
-            values.extend(value if isinstance(value, list) else [value])
-            rest = text[position:].lstrip()
-            if not rest:
-                break
-            if separator is None or not rest.startswith(separator.strip()):
-                return []
-            position = len(text) - len(rest) + len(separator.strip())
-            position += len(text[position:]) - len(text[position:].lstrip())
-    except json.JSONDecodeError:
-        return []
-    calls = [_call_from_value(v) for v in values]
-    return [c for c in calls if c is not None] if all(calls) else []
-
-
-def _call_from(text: str) -> ToolCall | None:
-    try:
-        return _call_from_value(json.loads(text))
-    except json.JSONDecodeError:
-        return None
-
-
-def _call_from_value(value: Any) -> ToolCall | None:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as JSON text already
-        return ToolCall(value["name"], arguments)
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def message_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
-    """OpenAI's `message.tool_calls` of parsed calls."""
-    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
-
-
-@dataclass
-class StreamedCalls:
-    """One streamed choice's text split into content deltas and tool-call deltas, as OpenAI sends them.
-
-    Content is passed on as it comes, except text that may begin a call, which is held until it
-    does or cannot; a call is sent once whole: a delta with its index, id, type and name
-    (arguments ""), then one with its arguments.
-    """
-
-    syntax: str
-    text: str = ""  # everything received
-    sent_content: int = 0  # characters of `text` sent as content
-    calls_sent: int = 0
-    in_calls: bool = False  # the text reached the first call: no more content
-
-    def feed(self, piece: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        """(content delta, tool-call deltas) after `piece`; `final` flushes what was held."""
-        self.text += piece
-        content = ""
-        if not self.in_calls:
-            start = self._call_start()
-            if start is None:
-                safe = len(self.text) if final else self._safe_end()
-                content, self.sent_content = self.text[self.sent_content : safe], max(safe, self.sent_content)
-                return content, []
-            content = self.text[self.sent_content : start]
-            self.sent_content, self.in_calls = start, True
-        held = self.text[self.sent_content :]
-        if not final:  # only the calls whose end was seen (JSON calls end with the reply)
-            end = held.rfind(_HERMES_END) if self.syntax == "hermes" else -1
-            held = held[: end + len(_HERMES_END)] if end >= 0 else ""
-        _, calls = parse_calls(self.syntax, held) if held else (None, [])
-        whole = calls
-        deltas: list[dict[str, Any]] = []
-        if final and not calls:  # the held text never became a call: it was content after all
-            return content + self.text[self.sent_content :], []
-        for index in range(self.calls_sent, len(whole)):
-            call = whole[index]
-            deltas.append({"index": index, "id": new_call_id(), "type": "function",
-                           "function": {"name": call.name, "arguments": ""}})
-            deltas.append({"index": index, "function": {"arguments": call.arguments}})
-        self.calls_sent = max(self.calls_sent, len(whole))
-        return content, deltas
-
-    def _call_start(self) -> int | None:
-        if self.syntax == "hermes":
-            found = self.text.find(_HERMES_BEGIN, self.sent_content)
-            return None if found < 0 else found
-        stripped = self.text.lstrip()
-        if stripped.startswith((_PYTHON_TAG, "{", "[")) and self.sent_content == 0:
-            return 0
-        return None
-
-    def _safe_end(self) -> int:
-        """Content may be sent up to here: what follows could still begin a call."""
-        if self.syntax == "hermes":
-            for cut in range(len(_HERMES_BEGIN) - 1, 0, -1):
-                if self.text.endswith(_HERMES_BEGIN[:cut]):
-                    return len(self.text) - cut
-            return len(self.text)
-        # JSON syntaxes: a reply is a call only when it starts as one, so hold only leading space.
-        return len(self.text) if self.text.strip() else self.sent_content
 
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "radixrt_probe", "description": "probe",
