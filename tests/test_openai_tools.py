@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from radixrt import Runtime, SamplingParams
-from radixrt.server import fields, openai_api, tool_parsers, tools
+from radixrt.server import openai_api, openai_fields, tool_parsers, tools
 from radixrt.server.app import create_app
 from radixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -219,7 +219,8 @@ def test_echo_logprobs_are_the_runtime_prompt_logprobs(app, runtime, max_tokens)
                                              "max_tokens": max_tokens, "temperature": 0})
     assert response.status_code == 200, response.text
     logprobs = response.json()["choices"][0]["logprobs"]
-    expected = runtime.generate(input_ids=ids, sampling_params={"max_new_tokens": 0, "top_logprobs_num": 3},
+    expected = runtime.generate(input_ids=ids, sampling_params={"max_new_tokens": 0, "return_logprob": True,
+                                                                "top_logprobs_num": 3},
                                 logprob_start_len=0)["meta_info"]
     values = [openai_api.logprob_value(e) for e in expected["input_token_logprobs"]]
     values = values if len(values) == len(ids) else [None, *values]
@@ -266,7 +267,8 @@ def test_echo_streams_the_prompt_first(app):
 
 
 # --- every OpenAI field is classified ---------------------------------------------------------------
-def openai_fields(module: Any) -> set[str]:
+def request_fields_of(module: Any) -> set[str]:
+    """Every key of a create-params module's CompletionCreateParams (its streaming and non-streaming forms)."""
     names: set[str] = set()
     for variant in typing.get_args(module.CompletionCreateParams):
         names |= set(variant.__required_keys__) | set(variant.__optional_keys__)
@@ -278,17 +280,18 @@ def test_every_openai_request_field_is_classified():
     from openai.types import completion_create_params
     from openai.types.chat import completion_create_params as chat_create_params
 
-    assert openai.__version__, "the pinned openai package"
+    assert openai.__version__, "the pinned openai package (pyproject's test extra)"
     for module, honoured, no_ops, model in (
-        (chat_create_params, fields.HONOURED_CHAT, fields.NO_OPS_CHAT, ChatCompletionRequest),
-        (completion_create_params, fields.HONOURED_COMPLETION, fields.NO_OPS_COMPLETION, CompletionRequest),
+        (chat_create_params, openai_fields.HONOURED_CHAT, openai_fields.NO_OPS_CHAT, ChatCompletionRequest),
+        (completion_create_params, openai_fields.HONOURED_COMPLETION, openai_fields.NO_OPS_COMPLETION,
+         CompletionRequest),
     ):
-        names = openai_fields(module)
+        names = request_fields_of(module)
         assert names, module
         unclassified = names - honoured - set(no_ops)
         assert not unclassified, f"{module.__name__}: fields neither honoured nor no-op nor refused: {unclassified}"
-        assert honoured <= set(model.model_fields), f"honoured fields the request model does not read: " \
-                                                    f"{honoured - set(model.model_fields)}"
+        unread = honoured - set(model.model_fields)
+        assert not unread, f"honoured fields the request model does not read: {unread}"
         assert not honoured & set(no_ops)
 
 

@@ -131,7 +131,8 @@ def test_echo_logprobs_equal_the_runtime_prompt_logprobs(client, tiny_tools_dir)
     prompt = "The quick brown fox jumps over the lazy dog."
     with Runtime(tiny_tools_dir, device="cpu", dtype="float32", max_total_tokens=2048) as rt:
         ids = rt.tokenizer.encode(prompt, add_special_tokens=False)
-        meta = rt.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, logprob_start_len=0)["meta_info"]
+        meta = rt.generate(input_ids=ids, sampling_params={"max_new_tokens": 0, "return_logprob": True},
+                           logprob_start_len=0)["meta_info"]
     values = [e[0] if isinstance(e, list) else e for e in meta["input_token_logprobs"]]
     values = values[-(len(ids) - 1):]  # from the second token on, in either shape
     for max_tokens in (0, 1):

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, NamedTuple, Sequence
 
-from radixrt.server import constraints, fields, tool_parsers, tools
+from radixrt.server import constraints, openai_fields, tool_parsers, tools
 from radixrt.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 
@@ -62,7 +62,7 @@ def body_constraint(body: _SamplingFields) -> constraints.Constraint | None:
 
 
 def chat_sampling_params(body: ChatCompletionRequest) -> dict[str, Any]:
-    fields.check_extra_fields(body.model_extra or {}, fields.NO_OPS_CHAT, "/v1/chat/completions")
+    openai_fields.check_extra_fields(body.model_extra or {}, openai_fields.NO_OPS_CHAT, "/v1/chat/completions")
     if body.stream and body.logprobs:
         raise ValueError("logprobs: not available with stream (radixrt streams text only); "
                          "send stream false, or logprobs false")
@@ -72,7 +72,7 @@ def chat_sampling_params(body: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def completion_sampling_params(body: CompletionRequest) -> dict[str, Any]:
-    fields.check_extra_fields(body.model_extra or {}, fields.NO_OPS_COMPLETION, "/v1/completions")
+    openai_fields.check_extra_fields(body.model_extra or {}, openai_fields.NO_OPS_COMPLETION, "/v1/completions")
     if body.best_of is not None and body.best_of != body.n:
         raise ValueError(f"best_of must equal n ({body.n}) when given: radixrt returns every sample, got {body.best_of}")
     if body.stream and body.logprobs is not None:

@@ -2,7 +2,7 @@
 
 Field ranges are checked here so that a 400 names the field the client sent
 (`max_tokens`, not the engine's `max_new_tokens`). OpenAI's fields these
-models do not declare arrive as extras, which `radixrt.server.fields` accepts
+models do not declare arrive as extras, which `radixrt.server.openai_fields` accepts
 as no-ops or refuses by name; a field in neither OpenAI's API nor SGLang's is
 a 400 (an OpenAI body with a field ignored would answer a request the client
 did not send).

@@ -6,7 +6,7 @@ checked here: a value that asks for nothing (null, a default, a hint radixrt
 needs not take) is accepted and does nothing; a value that asks for a
 behaviour radixrt lacks is a 400 naming the field. A field in neither
 OpenAI's API nor SGLang's is a 400 too: ignoring it would answer a request
-the client did not send. tests/test_openai_fields.py walks the pinned
+the client did not send. tests/test_openai_tools.py walks the pinned
 `openai` package's request types and fails on any field missing here.
 """
 
