@@ -182,7 +182,6 @@ def test_tool_results_and_calls_flow_back_into_the_template(app, runtime):
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]},
      "messages[0]"),
-    ({"logprobs": True, "stream": True}, "logprobs"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
 ])
 def test_bad_tool_input_is_a_400_naming_the_field(app, body, param):
@@ -258,12 +257,29 @@ def test_echo_logprobs_of_a_text_prompt(app, runtime):
         assert logprobs["text_offset"][len(ids)] == len(text)
 
 
-def test_echo_streams_the_prompt_first(app):
-    response = call(app, "/v1/completions", {"prompt": "Once upon", "echo": True, "max_tokens": 2, "stream": True})
+def test_echo_streams_the_prompt_first_and_logprobs_with_the_finish(app, runtime):
+    body = {"prompt": "Once upon", "echo": True, "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    response = call(app, "/v1/completions", {**body, "stream": True})
+    assert response.status_code == 200, response.text
     chunks = [e for e in events(response) if e != "[DONE]"]
     assert chunks[0]["choices"][0]["text"] == "Once upon"
-    bad = call(app, "/v1/completions", {"prompt": "Once", "echo": True, "logprobs": 1, "stream": True})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == call(app, "/v1/completions", body).json()[
+        "choices"][0]["text"]
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] is not None and all(c["choices"][0]["logprobs"] is None for c in chunks[:-1])
+    whole = call(app, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert last["logprobs"]["tokens"] == whole["tokens"] and last["logprobs"]["token_logprobs"][0] is None
+    assert last["logprobs"]["token_logprobs"][1:] == pytest.approx(whole["token_logprobs"][1:], rel=1e-5)
+
+
+def test_chat_stream_sends_logprobs_with_the_finish(app):
+    body = {"messages": ASK, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "ignore_eos": True}
+    chunks = [e for e in events(call(app, "/v1/chat/completions", {**body, "stream": True})) if e != "[DONE]"]
+    [last] = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    whole = call(app, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in last["logprobs"]["content"]] == [e["token"] for e in whole] and len(whole) == 4
+    assert all(len(e["top_logprobs"]) == 2 for e in last["logprobs"]["content"])
 
 
 # --- every OpenAI field is classified ---------------------------------------------------------------

@@ -121,9 +121,14 @@ def test_bad_tool_input_is_a_400_naming_the_field(client):
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model=model, messages=ASK, max_tokens=4, **extra)
         assert error.value.body["param"] == param
-    with pytest.raises(openai.BadRequestError) as error:
-        client.completions.create(model=model, prompt="Hi", echo=True, logprobs=1, stream=True)
-    assert error.value.body["param"] == "logprobs"
+
+
+def test_echo_with_logprobs_streams(client):
+    model = client.models.list().data[0].id
+    stream = client.completions.create(model=model, prompt="Hi there", echo=True, logprobs=1, max_tokens=2,
+                                       stream=True)
+    finishes = [c.choices[0] for c in stream if c.choices and c.choices[0].finish_reason]
+    assert finishes[0].logprobs.token_logprobs[0] is None, "echo with logprobs streams: the prompt's come last"
 
 
 def test_echo_logprobs_equal_the_runtime_prompt_logprobs(client, tiny_tools_dir):

@@ -102,9 +102,9 @@ class _State:
     runtime: Runtime
     settings: ServerSettings
     model_name: str
+    template_tools: tools.TemplateTools  # what the chat template does with tools (probed on first use)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     active_requests: int = 0
-    template_tools: tools.TemplateTools | None = None
 
     def finished(self, meta: dict[str, Any]) -> None:
         """Count a finished request in the metrics, and log it at debug level."""
@@ -125,7 +125,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     """An app serving `runtime`; the caller owns the runtime (and shuts it down)."""
     settings = settings or ServerSettings()
     state = _State(runtime, settings, settings.served_model_name or runtime.model_name,
-                   template_tools=tools.TemplateTools(runtime.tokenizer, settings.tool_call_parser))
+                   tools.TemplateTools(runtime.tokenizer, settings.tool_call_parser))
     app = FastAPI(title="radixrt", version=radixrt.__version__, default_response_class=_ORJSONResponse)
     max_active = runtime.config.max_running_requests + settings.max_queued_requests
 
@@ -265,7 +265,6 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         }
         syntax = None
         if plan is not None:  # the template renders the tools: the prompt is made here, not in generate
-            assert state.template_tools is not None
             try:
                 syntax = await asyncio.to_thread(state.template_tools.syntax, plan.choice)
                 if plan.constrained:
@@ -280,9 +279,15 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             writer = openai_api.ChunkWriter("chat", state.model_name, include_usage)
             calls = None if plan is None or syntax is None else (syntax, plan.parallel)
+            chat_logprobs = None
+            if body.logprobs:
+                def chat_logprobs(index: int, result: dict[str, Any]) -> dict[str, Any] | None:
+                    return openai_api.chat_logprobs(result, runtime.tokenizer)
             return await run_stream(
                 body.n, "messages",
-                lambda chunks: _openai_stream(state, chunks, writer, body.n, body.n, calls), **options,
+                lambda chunks: _openai_stream(state, chunks, writer, body.n, body.n, calls,
+                                              logprobs_of=chat_logprobs),
+                **options,
             )
         results = await run_plain(body.n, "messages", request, **options)
         return _ORJSONResponse(
@@ -322,9 +327,18 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             if body.echo:  # each choice's first delta is its prompt
                 echo_texts = await asyncio.to_thread(_prompt_texts, runtime.tokenizer, prompts)
                 echoed = [echo_texts[i // body.n] for i in range(num_requests)]
+            completion_logprobs = None
+            if body.logprobs is not None:
+                def completion_logprobs(index: int, result: dict[str, Any]) -> dict[str, Any] | None:
+                    logprobs = openai_api.completion_logprobs(result, runtime.tokenizer)
+                    if echo_logprobs and logprobs is not None:
+                        return openai_api.echo_logprobs(result, prompts[index // body.n], runtime.tokenizer, logprobs)
+                    return logprobs
             return await run_stream(
                 num_requests, "prompt",
-                lambda chunks: _openai_stream(state, chunks, writer, num_requests, body.n, echo=echoed), **options,
+                lambda chunks: _openai_stream(state, chunks, writer, num_requests, body.n, echo=echoed,
+                                              logprobs_of=completion_logprobs),
+                **options,
             )
         results = await run_plain(num_requests, "prompt", request, **options)
         texts = _prompt_texts(runtime.tokenizer, prompts) if body.echo else None
@@ -523,14 +537,18 @@ _DONE = b"data: [DONE]\n\n"
 async def _openai_stream(
     state: _State, chunks: AsyncIterator[dict], writer: openai_api.ChunkWriter, num_choices: int,
     samples_per_prompt: int, calls: tuple[str, bool] | None = None, echo: list[str] | None = None,
+    logprobs_of: Callable[[int, dict[str, Any]], dict[str, Any] | None] | None = None,
 ) -> AsyncIterator[bytes]:
     """Role chunks, deltas, one finish per choice, the usage chunk if asked, then [DONE].
 
     `calls` (the tool-call syntax, and whether parallel calls are kept): deltas split into content
     and `delta.tool_calls` (tool_parsers.StreamedCalls). `echo`: each choice's prompt, sent first.
-    An error after the stream began is sent as a `data: {"error": ...}` event.
+    `logprobs_of(index, result)`: a choice's log-probs, sent with its finish for all its tokens (the
+    engine reports them when the request ends). An error after the stream began is sent as a
+    `data: {"error": ...}` event.
     """
     results: list[dict[str, Any] | None] = [None] * num_choices
+    output_ids: list[list[int]] = [[] for _ in range(num_choices)]
     splitters = [tool_parsers.StreamedCalls(calls[0]) for _ in range(num_choices)] if calls is not None else None
     try:
         if writer.kind == "chat":
@@ -540,12 +558,16 @@ async def _openai_stream(
             yield _data(writer.delta(index, prompt_text))
         async for chunk in chunks:
             index = chunk["index"]
+            output_ids[index].extend(chunk["output_ids"])
             finish = None
+            logprobs = None
             if chunk["finished"]:
                 meta = chunk["meta_info"]
                 finish = meta["finish_reason"]["type"]
                 results[index] = {"meta_info": meta}
                 state.finished(meta)
+                if logprobs_of is not None:
+                    logprobs = logprobs_of(index, {"output_ids": output_ids[index], "meta_info": meta})
             if splitters is not None:
                 splitter = splitters[index]
                 content, call_deltas = splitter.feed(chunk["text"], finish is not None)
@@ -557,9 +579,9 @@ async def _openai_stream(
                     yield _data(writer.tool_call_delta(index, call_delta))
                 if finish is not None:
                     yield _data(writer.delta(index, "", "tool_calls" if finish == "stop" and splitter.calls_sent
-                                             else finish))
+                                             else finish, logprobs))
             elif chunk["text"] or finish is not None:
-                yield _data(writer.delta(index, chunk["text"], finish))
+                yield _data(writer.delta(index, chunk["text"], finish, logprobs))
         if writer.include_usage:
             yield _data(writer.usage(openai_api.usage([r for r in results if r is not None], samples_per_prompt)))
     except RuntimeError as error:

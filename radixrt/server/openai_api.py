@@ -63,9 +63,6 @@ def body_constraint(body: _SamplingFields) -> constraints.Constraint | None:
 
 def chat_sampling_params(body: ChatCompletionRequest) -> dict[str, Any]:
     openai_fields.check_extra_fields(body.model_extra or {}, openai_fields.NO_OPS_CHAT, "/v1/chat/completions")
-    if body.stream and body.logprobs:
-        raise ValueError("logprobs: not available with stream (radixrt streams text only); "
-                         "send stream false, or logprobs false")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else 0
     return sampling_params(body, max_tokens, top, body.logprobs)
@@ -75,9 +72,6 @@ def completion_sampling_params(body: CompletionRequest) -> dict[str, Any]:
     openai_fields.check_extra_fields(body.model_extra or {}, openai_fields.NO_OPS_COMPLETION, "/v1/completions")
     if body.best_of is not None and body.best_of != body.n:
         raise ValueError(f"best_of must equal n ({body.n}) when given: radixrt returns every sample, got {body.best_of}")
-    if body.stream and body.logprobs is not None:
-        raise ValueError("logprobs: not available with stream (radixrt streams text only); "
-                         "send stream false, or logprobs null")
     wants_logprobs = body.logprobs is not None
     return sampling_params(body, body.max_tokens, body.logprobs or 0, wants_logprobs)
 
@@ -320,11 +314,15 @@ class ChunkWriter:
         """One `delta.tool_calls` entry (tool_parsers.StreamedCalls makes them), in a chunk of its own."""
         return self._event([{"index": index, "delta": {"tool_calls": [call]}, "finish_reason": None}])
 
-    def delta(self, index: int, text: str, finish: str | None = None) -> dict[str, Any]:
+    def delta(self, index: int, text: str, finish: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A text delta; `logprobs` (chat_logprobs' or completion_logprobs' shape) where given."""
         if self.kind == "chat":
             choice: dict[str, Any] = {"index": index, "delta": {"content": text} if text else {}}
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
         else:
-            choice = {"index": index, "text": text, "logprobs": None}
+            choice = {"index": index, "text": text, "logprobs": logprobs}
         choice["finish_reason"] = finish
         return self._event([choice])
 
