@@ -360,3 +360,19 @@ def test_a_template_that_cannot_render_the_messages_is_a_400(tiny_llama_dir):
             {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
         response = call(create_app(rt), "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
         assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
+
+
+def test_a_special_call_tag_is_kept_in_the_text():
+    class Tokenizer:
+        all_special_ids = [7]
+
+        def __init__(self, ids):
+            self.ids = ids
+
+        def encode(self, text, add_special_tokens=False):
+            return self.ids
+
+    assert tools.TemplateTools(Tokenizer([7])).call_tag_is_special("hermes")
+    assert not tools.TemplateTools(Tokenizer([8])).call_tag_is_special("hermes")
+    assert not tools.TemplateTools(Tokenizer([1, 2])).call_tag_is_special("hermes")
+    assert not tools.TemplateTools(Tokenizer([7])).call_tag_is_special("llama3_json")

@@ -267,6 +267,8 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         if plan is not None:  # the template renders the tools: the prompt is made here, not in generate
             try:
                 syntax = await asyncio.to_thread(state.template_tools.syntax, plan.choice)
+                if state.template_tools.call_tag_is_special(syntax):
+                    params["skip_special_tokens"] = False  # the parser must see <tool_call>
                 if plan.constrained:
                     options["constraint"] = openai_api.constrain_to_calls(plan, syntax, params, constraint)
                 options["input_ids"] = await asyncio.to_thread(

@@ -192,6 +192,14 @@ class TemplateTools:
                 self._renders = plain != with_tool
         return self._renders
 
+    def call_tag_is_special(self, syntax: str) -> bool:
+        """Whether the syntax's opening tag is one special token of the tokenizer, which decoding with
+        skip_special_tokens would drop from the text the parser reads (some Hermes tokenizers)."""
+        if syntax != "hermes":
+            return False  # Llama's <|python_tag|> may go: its calls parse without it
+        ids = list(self.tokenizer.encode(HERMES_BEGIN, add_special_tokens=False))
+        return len(ids) == 1 and ids[0] in set(getattr(self.tokenizer, "all_special_ids", ()))
+
     def syntax(self, choice: ToolChoice) -> str:
         """The syntax to constrain and parse calls in; ValueError naming tools or tool_choice when the
         model cannot take tools, or `auto` needs a syntax radixrt does not know."""
