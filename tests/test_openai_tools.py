@@ -376,3 +376,68 @@ def test_a_special_call_tag_is_kept_in_the_text():
     assert not tools.TemplateTools(Tokenizer([8])).call_tag_is_special("hermes")
     assert not tools.TemplateTools(Tokenizer([1, 2])).call_tag_is_special("hermes")
     assert not tools.TemplateTools(Tokenizer([7])).call_tag_is_special("llama3_json")
+
+
+class ScriptedRuntime:
+    """The tiny runtime, but `async_generate` answers with a scripted model reply (streamed in pieces
+    when asked): the auto route's parse path, whatever the random weights would write."""
+
+    def __init__(self, runtime: Runtime, reply: str):
+        self._runtime, self.reply, self.calls = runtime, reply, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+    async def async_generate(self, stream: bool = False, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        meta = {"id": "scripted", "prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": 5,
+                "finish_reason": {"type": "stop"}, "ttft": 0.0, "e2e_latency": 0.0, "queue_time": 0.0}
+        if not stream:
+            return {"text": self.reply, "output_ids": [1, 2, 3, 4, 5], "meta_info": meta}
+
+        async def chunks() -> Any:
+            pieces = [self.reply[i : i + 5] for i in range(0, len(self.reply), 5)]
+            for i, piece in enumerate(pieces):
+                last = i == len(pieces) - 1
+                yield {"index": 0, "id": "scripted", "text": piece, "output_ids": [i], "finished": last,
+                       **({"meta_info": meta} if last else {})}
+
+        return chunks()
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_parses_the_models_own_calls(runtime, parallel):
+    reply = ('Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>')
+    scripted = ScriptedRuntime(runtime, reply)
+    app = create_app(scripted)  # type: ignore[arg-type]
+    body = {"messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 64, "parallel_tool_calls": parallel}
+    choice = call(app, "/v1/chat/completions", body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking both.\n"
+    names = [c["function"]["name"] for c in choice["message"]["tool_calls"]]
+    assert names == (["get_weather", "get_time"] if parallel else ["get_weather"])
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
+    assert "ebnf" not in scripted.calls[0]["sampling_params"], "auto does not constrain"
+    assert "input_ids" in scripted.calls[0] and "messages" not in scripted.calls[0], "the prompt has the tools"
+
+    chunks = [e for e in events(call(app, "/v1/chat/completions", {**body, "stream": True})) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking both.\n"
+    streamed = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    headers = [c for c in streamed if "id" in c]
+    assert [h["function"]["name"] for h in headers] == names
+    assert [h["index"] for h in headers] == list(range(len(names)))
+    arguments = "".join(c["function"]["arguments"] for c in streamed if c["index"] == 0)
+    assert json.loads(arguments) == {"city": "Rome"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_with_prose_only_is_content(runtime):
+    app = create_app(ScriptedRuntime(runtime, "It is sunny in <b>Paris</b>."))  # type: ignore[arg-type]
+    body = {"messages": ASK, "tools": [WEATHER], "max_tokens": 64}
+    choice = call(app, "/v1/chat/completions", body).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "It is sunny in <b>Paris</b>."}
+    assert choice["finish_reason"] == "stop"
+    chunks = [e for e in events(call(app, "/v1/chat/completions", {**body, "stream": True})) if e != "[DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "It is sunny in <b>Paris</b>." and chunks[-1]["choices"][0]["finish_reason"] == "stop"
