@@ -41,6 +41,8 @@ class Function(NamedTuple):
 
 
 class ToolChoice(NamedTuple):
+    """What `tool_choice` asks: a mode, and the function's name when one is named."""
+
     mode: str  # none | auto | required | named
     name: str | None = None
 
