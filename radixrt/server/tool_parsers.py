@@ -62,22 +62,19 @@ def _json_calls(text: str, separator: str | None) -> list[ToolCall]:
         return []
     decoder = json.JSONDecoder()
     values: list[Any] = []
-    position = 0
+    rest = text
     try:
-        while position < len(text):
-            value, position = decoder.raw_decode(text, position)
+        while rest:
+            value, end = decoder.raw_decode(rest)
             values.extend(value if isinstance(value, list) else [value])
-            rest = text[position:].lstrip()
-            if not rest:
-                break
-            if separator is None or not rest.startswith(separator.strip()):
-                return []
-            position = len(text) - len(rest) + len(separator.strip())
-            position += len(text[position:]) - len(text[position:].lstrip())
+            rest = rest[end:].lstrip()
+            if rest and (separator is None or not rest.startswith(separator.strip())):
+                return []  # more text after the calls: not a reply made of calls
+            rest = rest[len(separator.strip()) :].lstrip() if rest and separator else rest
     except json.JSONDecodeError:
         return []
     calls = [_call_from_value(v) for v in values]
-    return [c for c in calls if c is not None] if all(calls) else []
+    return [c for c in calls if c is not None] if all(c is not None for c in calls) else []
 
 
 def _call_from(text: str) -> ToolCall | None:
