@@ -443,3 +443,8 @@ def test_auto_with_prose_only_is_content(runtime):
     chunks = [e for e in events(call(app, "/v1/chat/completions", {**body, "stream": True})) if e != "[DONE]"]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == "It is sunny in <b>Paris</b>." and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_developer_is_rendered_as_system(runtime):
+    request = ChatCompletionRequest(messages=[{"role": "developer", "content": "Be brief."}, *ASK])
+    assert request.chat_messages()[0] == {"role": "system", "content": "Be brief."}

@@ -121,8 +121,10 @@ class ChatCompletionRequest(_SamplingFields):
         """
         messages = []
         for i, message in enumerate(self.messages):
-            if message.role not in CHAT_ROLES:
-                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+            role = "system" if message.role == "developer" else message.role  # OpenAI's newer name for it
+            if role not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} or developer, "
+                                 f"got {message.role!r}")
             content = message.content
             if isinstance(content, list):
                 for j, part in enumerate(content):
@@ -136,14 +138,14 @@ class ChatCompletionRequest(_SamplingFields):
             if unknown:
                 raise ValueError(f"messages[{i}]: field(s) {', '.join(unknown)} not served; a message takes role, "
                                  "content, name, tool_calls (assistant) and tool_call_id (tool)")
-            entry: dict[str, Any] = {"role": message.role, "content": content}
+            entry: dict[str, Any] = {"role": role, "content": content}
             if message.tool_calls:
-                if message.role != "assistant":
+                if role != "assistant":
                     raise ValueError(f"messages[{i}].tool_calls: only an assistant message carries tool calls")
                 entry["tool_calls"] = [_template_call(i, j, call) for j, call in enumerate(message.tool_calls)]
             elif content is None:
                 raise ValueError(f"messages[{i}].content is missing")
-            if message.role == "tool":
+            if role == "tool":
                 if message.tool_call_id is None:
                     raise ValueError(f"messages[{i}].tool_call_id is missing: a tool message answers a call")
                 entry["tool_call_id"] = message.tool_call_id
