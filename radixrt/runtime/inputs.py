@@ -17,7 +17,8 @@ from radixrt.sampling import SamplingParams
 from radixrt.sampling.grammar import Grammars
 
 PromptInput = Any  # str | list[str] | list[int] | list[list[int]] | messages | list of messages
-# The roles a chat message may have (the server's and `generate(messages=...)`'s).
+
+# The chat roles a message may have (the HTTP server's ChatCompletionRequest checks the same).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -101,7 +102,7 @@ class InputProcessor:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-            if m["role"] not in CHAT_ROLES:
+            if m["role"] not in CHAT_ROLES:  # a template would drop or mangle it silently
                 raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
         options = {} if tools is None else {"tools": list(tools)}
         try:
