@@ -141,6 +141,8 @@ def _add_serve_parser(commands: Any) -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=_int_at_least(0), default=1024,
                        help="beyond running + this, a 503")
     serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    serve.add_argument("--tool-call-parser", choices=["hermes", "qwen25", "llama3_json"],
+                       help="the syntax of the model's tool calls (default: read from its chat template)")
     serve.add_argument("--max-running-requests", type=_int_at_least(1), help="the most requests decoding at once")
     serve.add_argument("--chunked-prefill-size", type=_int_at_least(1),
                        help="the most prompt tokens of one request per step")
@@ -312,6 +314,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         cache_isolation=args.cache_isolation,
         max_queued_requests=args.max_queued_requests,
         served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser,
     )
     try:
         if args.replicas > 1 or args.ray_address:

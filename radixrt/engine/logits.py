@@ -70,14 +70,24 @@ class LogitPlan:
         return plan
 
     def record_prompt_logprobs(self, logits: torch.Tensor) -> None:
-        """Append each scored prompt token's log-probability to its request."""
+        """Append each scored prompt token's log-probability to its request, and its top
+        `top_logprobs_num` alternatives where the request asks: both read from one log-softmax, so
+        a prompt token that is the most likely one equals its first alternative exactly."""
         if not self.prompt_rows:
             return
         rows = torch.tensor([row for _, row, _ in self.prompt_rows], device=logits.device)
         targets = torch.tensor([t for _, _, t in self.prompt_rows], device=logits.device)
-        logprobs = torch.log_softmax(logits[rows], dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
-        for (req, _, _), logprob in zip(self.prompt_rows, logprobs):
+        all_logprobs = torch.log_softmax(logits[rows], dim=-1)
+        logprobs = all_logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        num_top = max(req.params.top_logprobs_num for req, _, _ in self.prompt_rows)
+        top_values, top_ids = all_logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+        for index, ((req, _, _), logprob) in enumerate(zip(self.prompt_rows, logprobs)):
             req.prompt_logprobs.append(logprob)
+            if top_values is not None and top_ids is not None and req.params.top_logprobs_num:
+                k = req.params.top_logprobs_num
+                req.prompt_top_logprobs.append(
+                    list(zip(top_ids[index, :k].tolist(), top_values[index, :k].tolist()))
+                )
 
     def sample(self, logits: torch.Tensor, sampler: Sampler, vocab_size: int) -> list[list[NextToken]]:
         """The new tokens of every request that completed its pending tokens and may still generate:

@@ -239,6 +239,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_logprobs_num
     finish_reason: FinishReason | None = None
     arrival_index: int = field(default_factory=lambda: next(_request_counter))
 
@@ -376,4 +377,6 @@ class Request:
             meta["output_top_logprobs"] = [list(top) for top in self.output_top_logprobs]
         if self.logprob_start_len is not None:
             meta["input_token_logprobs"] = list(self.prompt_logprobs)
+            if self.params.top_logprobs_num:
+                meta["input_top_logprobs"] = [list(top) for top in self.prompt_top_logprobs]
         return {"text": self._text.final_text(), "output_ids": list(self.output_ids), "meta_info": meta}

@@ -18,6 +18,9 @@ from radixrt.sampling.grammar import Grammars
 
 PromptInput = Any  # str | list[str] | list[int] | list[list[int]] | messages | list of messages
 
+# The chat roles a message may have (the HTTP server's ChatCompletionRequest checks the same).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -93,11 +96,25 @@ class InputProcessor:
             raise ValueError(f"prompt must be a string, got {type(text).__name__}")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
-        for m in messages:
+    def encode_messages(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """A conversation's prompt through the chat template; `tools` (OpenAI's tool list) are
+        rendered by the template too. ValueError names the first message that is not one."""
+        for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            if m["role"] not in CHAT_ROLES:  # a template would drop or mangle it silently
+                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
+        options = {} if tools is None else {"tools": list(tools)}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True, **options
+            )
+        except Exception as error:
+            import jinja2  # transformers' template engine: its errors are the template refusing the messages
+
+            if isinstance(error, jinja2.TemplateError):
+                raise ValueError(f"messages: the model's chat template cannot render them: {error}") from None
+            raise
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def one_prompt(self, prompt: PromptInput, input_ids: Any, messages: Any) -> list[int]:

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 import radixrt
 from radixrt.runtime import Runtime
 from radixrt.sampling.params import CONSTRAINT_FIELDS
-from radixrt.server import openai_api
+from radixrt.server import openai_api, tool_parsers, tools
 from radixrt.server.constraints import Constraint
 from radixrt.server.dashboard import DASHBOARD_HTML
 from radixrt.server.metrics import ServerMetrics
@@ -57,12 +57,15 @@ class ServerSettings:
         cache_salt), so no tenant can see another's cached prefixes through hit counts or TTFT.
     max_queued_requests: requests held beyond those the engine runs at once; more is a 503.
     served_model_name: the model id clients send and /v1/models lists (default: the model's name).
+    tool_call_parser: the syntax of the model's tool calls (radixrt.server.tools.TOOL_CALL_PARSERS);
+        None reads it from the chat template.
     """
 
     api_keys: frozenset[str] = frozenset()
     cache_isolation: Literal["none", "per-key"] = "none"
     max_queued_requests: int = 1024
     served_model_name: str | None = None
+    tool_call_parser: str | None = None
 
 
 class APIError(Exception):
@@ -101,6 +104,7 @@ class _State:
     runtime: Runtime
     settings: ServerSettings
     model_name: str
+    template_tools: tools.TemplateTools  # what the chat template does with tools (probed on first use)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     active_requests: int = 0
 
@@ -122,7 +126,8 @@ class _ORJSONResponse(JSONResponse):
 def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving `runtime`; the caller owns the runtime (and shuts it down)."""
     settings = settings or ServerSettings()
-    state = _State(runtime, settings, settings.served_model_name or runtime.model_name)
+    state = _State(runtime, settings, settings.served_model_name or runtime.model_name,
+                   tools.TemplateTools(runtime.tokenizer, settings.tool_call_parser))
     app = FastAPI(title="radixrt", version=radixrt.__version__, default_response_class=_ORJSONResponse)
     max_active = runtime.config.max_running_requests + settings.max_queued_requests
 
@@ -248,30 +253,53 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                key: str | None = Depends(tenant)) -> Response:
-        log_unknown(body, "/v1/chat/completions")
         check_model(body.model)
         try:
             messages = body.chat_messages()
             params = openai_api.chat_sampling_params(body)
             constraint = openai_api.body_constraint(body)
+            plan = openai_api.tool_plan(body)
         except ValueError as error:
             raise _bad_request(error, "messages") from None
         options: dict[str, Any] = {
             "messages": messages, "sampling_params": params, "cache_salt": cache_salt(key, body.cache_salt),
             "rid": body.rid or openai_api.new_id("chatcmpl"), "constraint": constraint,
         }
+        syntax = None
+        if plan is not None:  # the template renders the tools: the prompt is made here, not in generate
+            try:
+                syntax = await asyncio.to_thread(state.template_tools.syntax, plan.choice)
+                if state.template_tools.call_tag_is_special(syntax):
+                    params["skip_special_tokens"] = False  # the parser must see <tool_call>
+                if plan.constrained:
+                    options["constraint"] = openai_api.constrain_to_calls(plan, syntax, params, constraint)
+                options["input_ids"] = await asyncio.to_thread(
+                    runtime.inputs.encode_messages, messages, body.tools
+                )
+            except ValueError as error:
+                raise _bad_request(error, "tools") from None
+            del options["messages"]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             writer = openai_api.ChunkWriter("chat", state.model_name, include_usage)
+            calls = None if plan is None or syntax is None else (syntax, plan.parallel)
+            chat_logprobs = None
+            if body.logprobs:
+                def chat_logprobs(index: int, result: dict[str, Any]) -> dict[str, Any] | None:
+                    return openai_api.chat_logprobs(result, runtime.tokenizer)
             return await run_stream(
-                body.n, "messages", lambda chunks: _openai_stream(state, chunks, writer, body.n, body.n), **options
+                body.n, "messages",
+                lambda chunks: _openai_stream(state, chunks, writer, body.n, body.n, calls,
+                                              logprobs_of=chat_logprobs),
+                **options,
             )
         results = await run_plain(body.n, "messages", request, **options)
-        return _ORJSONResponse(openai_api.chat_response(body, results, state.model_name, runtime.tokenizer))
+        return _ORJSONResponse(
+            openai_api.chat_response(body, results, state.model_name, runtime.tokenizer, plan, syntax)
+        )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, key: str | None = Depends(tenant)) -> Response:
-        log_unknown(body, "/v1/completions")
         check_model(body.model)
         try:
             params = openai_api.completion_sampling_params(body)
@@ -279,6 +307,12 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         except ValueError as error:
             raise _bad_request(error, "best_of") from None
         prompts = _completion_prompts(body.prompt)
+        echo_logprobs = body.echo and body.logprobs is not None
+        if echo_logprobs and isinstance(prompts[0], str):  # the prompt's tokens are needed to show its log-probs
+            try:
+                prompts = await asyncio.to_thread(lambda: [runtime.inputs.encode_text(p) for p in prompts])
+            except ValueError as error:
+                raise _bad_request(error, "prompt") from None
         is_text = isinstance(prompts[0], str)
         single = isinstance(body.prompt, str) or _is_token_list(body.prompt)
         rid = body.rid or openai_api.new_id("cmpl")
@@ -286,19 +320,35 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             "sampling_params": params, "cache_salt": cache_salt(key, body.cache_salt),
             "rid": rid if single else [f"{rid}-{i}" for i in range(len(prompts))], "constraint": constraint,
         }
+        if echo_logprobs:
+            options["logprob_start_len"] = 0
         options["prompt" if is_text else "input_ids"] = prompts[0] if single else prompts
         num_requests = body.n * len(prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             writer = openai_api.ChunkWriter("completion", state.model_name, include_usage)
+            echoed = None
+            if body.echo:  # each choice's first delta is its prompt
+                echo_texts = await asyncio.to_thread(_prompt_texts, runtime.tokenizer, prompts)
+                echoed = [echo_texts[i // body.n] for i in range(num_requests)]
+            completion_logprobs = None
+            if body.logprobs is not None:
+                def completion_logprobs(index: int, result: dict[str, Any]) -> dict[str, Any] | None:
+                    logprobs = openai_api.completion_logprobs(result, runtime.tokenizer)
+                    if echo_logprobs and logprobs is not None:
+                        return openai_api.echo_logprobs(result, prompts[index // body.n], runtime.tokenizer, logprobs)
+                    return logprobs
             return await run_stream(
                 num_requests, "prompt",
-                lambda chunks: _openai_stream(state, chunks, writer, num_requests, body.n), **options,
+                lambda chunks: _openai_stream(state, chunks, writer, num_requests, body.n, echo=echoed,
+                                              logprobs_of=completion_logprobs),
+                **options,
             )
         results = await run_plain(num_requests, "prompt", request, **options)
-        texts = [p if isinstance(p, str) else runtime.tokenizer.decode(p) for p in prompts] if body.echo else None
+        texts = _prompt_texts(runtime.tokenizer, prompts) if body.echo else None
+        ids = prompts if echo_logprobs else None
         return _ORJSONResponse(
-            openai_api.completion_response(body, results, state.model_name, runtime.tokenizer, texts)
+            openai_api.completion_response(body, results, state.model_name, runtime.tokenizer, texts, ids)
         )
 
     # --- SGLang native ------------------------------------------------------------------
@@ -426,6 +476,10 @@ def _is_token_list(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
 
 
+def _prompt_texts(tokenizer: Any, prompts: list[Any]) -> list[str]:
+    return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+
+
 def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
     """The prompts of a completion body: a string, a token list, or a list of either."""
     if isinstance(prompt, str) or _is_token_list(prompt):
@@ -486,27 +540,52 @@ _DONE = b"data: [DONE]\n\n"
 
 async def _openai_stream(
     state: _State, chunks: AsyncIterator[dict], writer: openai_api.ChunkWriter, num_choices: int,
-    samples_per_prompt: int,
+    samples_per_prompt: int, calls: tuple[str, bool] | None = None, echo: list[str] | None = None,
+    logprobs_of: Callable[[int, dict[str, Any]], dict[str, Any] | None] | None = None,
 ) -> AsyncIterator[bytes]:
     """Role chunks, deltas, one finish per choice, the usage chunk if asked, then [DONE].
 
-    An error after the stream began is sent as a `data: {"error": ...}` event.
+    `calls` (the tool-call syntax, and whether parallel calls are kept): deltas split into content
+    and `delta.tool_calls` (tool_parsers.StreamedCalls). `echo`: each choice's prompt, sent first.
+    `logprobs_of(index, result)`: a choice's log-probs, sent with its finish for all its tokens (the
+    engine reports them when the request ends). An error after the stream began is sent as a
+    `data: {"error": ...}` event.
     """
     results: list[dict[str, Any] | None] = [None] * num_choices
+    output_ids: list[list[int]] = [[] for _ in range(num_choices)]
+    splitters = [tool_parsers.StreamedCalls(calls[0]) for _ in range(num_choices)] if calls is not None else None
     try:
         if writer.kind == "chat":
             for index in range(num_choices):
                 yield _data(writer.role(index))
+        for index, prompt_text in enumerate(echo or []):
+            yield _data(writer.delta(index, prompt_text))
         async for chunk in chunks:
             index = chunk["index"]
+            output_ids[index].extend(chunk["output_ids"])
             finish = None
+            logprobs = None
             if chunk["finished"]:
                 meta = chunk["meta_info"]
                 finish = meta["finish_reason"]["type"]
                 results[index] = {"meta_info": meta}
                 state.finished(meta)
-            if chunk["text"] or finish is not None:
-                yield _data(writer.delta(index, chunk["text"], finish))
+                if logprobs_of is not None:
+                    logprobs = logprobs_of(index, {"output_ids": output_ids[index], "meta_info": meta})
+            if splitters is not None:
+                splitter = splitters[index]
+                content, call_deltas = splitter.feed(chunk["text"], finish is not None)
+                if not calls or not calls[1]:  # parallel_tool_calls false: the first call only
+                    call_deltas = [d for d in call_deltas if d["index"] == 0]
+                if content:
+                    yield _data(writer.delta(index, content))
+                for call_delta in call_deltas:
+                    yield _data(writer.tool_call_delta(index, call_delta))
+                if finish is not None:
+                    yield _data(writer.delta(index, "", "tool_calls" if finish == "stop" and splitter.calls_sent
+                                             else finish, logprobs))
+            elif chunk["text"] or finish is not None:
+                yield _data(writer.delta(index, chunk["text"], finish, logprobs))
         if writer.include_usage:
             yield _data(writer.usage(openai_api.usage([r for r in results if r is not None], samples_per_prompt)))
     except RuntimeError as error:
