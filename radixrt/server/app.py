@@ -80,7 +80,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-_FIELD_FIRST = re.compile(r"^([A-Za-z_][\w.\[\]]*)(:| must| is )")
+_FIELD_FIRST = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must| is )")
 
 
 def _bad_request(error: ValueError, default_param: str | None = None, constraint: Constraint | None = None) -> APIError:
@@ -92,8 +92,8 @@ def _bad_request(error: ValueError, default_param: str | None = None, constraint
     message = str(error)
     named = _FIELD_FIRST.match(message)
     param = named.group(1) if named else default_param
-    if named and named.group(2) == " is " and param not in CONSTRAINT_FIELDS:
-        param = default_param  # "prompt is empty": about the prompt, which the body gave as its own field
+    if param == "prompt" and default_param is not None:
+        param = default_param  # the runtime's word for whichever field carried the prompt
     if constraint is not None and param == constraint.field and constraint.source != constraint.field:
         return APIError(400, f"{constraint.source}: {message}", param=constraint.source)
     return APIError(400, message, param=param)
