@@ -188,15 +188,35 @@ def test_prompt_logprobs_and_output_logprobs(rt, tiny_llama_hf):
     import torch
 
     prompt = ids(12, seed=9)
-    out = rt.generate(prompt, {**GREEDY, "max_new_tokens": 0}, logprob_start_len=4)
+    # SGLang's shape: entries [logprob, token_id, text] for prompt[3:], the first logprob None.
+    out = rt.generate(prompt, {**GREEDY, "max_new_tokens": 0}, logprob_start_len=3, top_logprobs_num=3,
+                      token_ids_logprob=[5, 6])
     with torch.inference_mode():
         logits = tiny_llama_hf(torch.tensor([prompt])).logits[0].float()
-    reference = torch.log_softmax(logits, -1)[torch.arange(3, 11), torch.tensor(prompt[4:12])]
-    got = torch.tensor(out["meta_info"]["input_token_logprobs"])
-    assert out["output_ids"] == [] and got.shape == reference.shape
-    assert torch.allclose(got, reference, atol=1e-4)
-    sampled = rt.generate(prompt, {**GREEDY, "return_logprob": True})
-    assert len(sampled["meta_info"]["output_token_logprobs"]) == 6
+    table = torch.log_softmax(logits, -1)
+    reference = table[torch.arange(3, 11), torch.tensor(prompt[4:12])]
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert out["output_ids"] == [] and [e[1] for e in entries] == prompt[3:]
+    assert entries[0][0] is None and all(e[2] is None for e in entries)
+    assert torch.allclose(torch.tensor([e[0] for e in entries[1:]]), reference, atol=1e-4)
+    tops = out["meta_info"]["input_top_logprobs"]
+    assert tops[0] is None and len(tops) == len(entries)
+    for position, top in enumerate(tops[1:], start=3):
+        assert [t[1] for t in top] == table[position].topk(3).indices.tolist()
+        assert top[0][0] >= top[1][0] >= top[2][0]
+    asked = out["meta_info"]["input_token_ids_logprobs"]
+    assert asked[0] is None and [t[1] for t in asked[1]] == [5, 6]
+    assert asked[1][0][0] == pytest.approx(table[3, 5].item(), abs=1e-4)
+    assert out["meta_info"]["output_token_logprobs"] == []
+    sampled = rt.generate(prompt, {**GREEDY, "return_logprob": True}, return_text_in_logprobs=True)
+    outputs = sampled["meta_info"]["output_token_logprobs"]
+    assert len(outputs) == 6 and [e[1] for e in outputs] == sampled["output_ids"]
+    assert all(isinstance(e[2], str) for e in outputs) and sampled["meta_info"]["input_token_logprobs"] == []
+    assert "input_token_logprobs" not in rt.generate(prompt, GREEDY)["meta_info"], "asked for nothing"
+    with pytest.raises(ValueError, match=r"logprob_start_len must be -1 .* \[0, 12\]"):
+        rt.generate(prompt, GREEDY, logprob_start_len=13)
+    with pytest.raises(ValueError, match=r"top_logprobs_num must be in \[0, 20\]"):
+        rt.generate(prompt, GREEDY, top_logprobs_num=21)
 
 
 def test_flush_cache_empties_the_tree(rt):

@@ -137,8 +137,9 @@ class InputProcessor:
         compiled = None if constraint is None else self.grammars.compile(*constraint)
         requests = []
         for index, ids in enumerate(prompts):
-            if logprob_start_len is not None and not 0 <= logprob_start_len < max(len(ids), 1):
-                raise ValueError(f"logprob_start_len must be in [0, {len(ids)}), got {logprob_start_len}")
+            if logprob_start_len is not None and not 0 <= logprob_start_len <= len(ids):
+                raise ValueError(f"logprob_start_len must be -1 (the output only) or in [0, {len(ids)}] "
+                                 f"(the prompt's length), got {logprob_start_len}")
             prompt_params = params
             if params.max_new_tokens is None:
                 prompt_params = replace(params, max_new_tokens=self.limits.room(len(ids)))
@@ -161,6 +162,42 @@ class InputProcessor:
                     )
                 )
         return requests
+
+
+def logprob_options(
+    params: SamplingParams,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    token_ids_logprob: Sequence[int] | None = None,
+    return_text_in_logprobs: bool | None = None,
+) -> tuple[SamplingParams, int | None]:
+    """SGLang's request-level log-prob fields folded into the sampling parameters, and the prompt
+    position the input lists start at (None: output only, SGLang's -1).
+
+    None leaves a field as `params` has it. Asking for any log-prob (a start >= 0, a top-k, token
+    ids) turns `return_logprob` on: SGLang ignores them without it, radixrt never ignores a
+    field. Raises ValueError naming the field and its range."""
+    if logprob_start_len is not None:
+        if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) or logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be -1 (the output only) or an int >= 0, got {logprob_start_len!r}")
+        if logprob_start_len == -1:
+            logprob_start_len = None
+    changes: dict[str, Any] = {}
+    if return_logprob is not None:
+        if not isinstance(return_logprob, bool):
+            raise ValueError(f"return_logprob must be True or False, got {return_logprob!r}")
+        changes["return_logprob"] = return_logprob
+    if top_logprobs_num is not None:
+        changes["top_logprobs_num"] = top_logprobs_num
+    if token_ids_logprob is not None:
+        changes["token_ids_logprob"] = token_ids_logprob
+    if return_text_in_logprobs is not None:
+        changes["return_text_in_logprobs"] = return_text_in_logprobs
+    asks = logprob_start_len is not None or bool(top_logprobs_num) or token_ids_logprob is not None
+    if asks:
+        changes["return_logprob"] = True
+    return (replace(params, **changes) if changes else params), logprob_start_len
 
 
 def cache_namespace(cache_salt: str | None) -> Hashable:

@@ -24,7 +24,7 @@ from typing import Any
 
 from radixrt.config import RuntimeConfig
 from radixrt.model.tokenizer import Tokenizer
-from radixrt.runtime.inputs import InputProcessor, PromptInput, cache_namespace, normalise_rids
+from radixrt.runtime.inputs import InputProcessor, PromptInput, cache_namespace, logprob_options, normalise_rids
 from radixrt.sampling import SamplingParams
 from radixrt.scaleout.router import Route, Router
 from radixrt.tree import ALL_NAMESPACES, AllNamespaces
@@ -124,10 +124,17 @@ class ReplicaFleet:
         cache_salt: str | None = None,
         logprob_start_len: int | None = None,
         rid: str | Sequence[str] | None = None,
+        return_logprob: bool | None = None,
+        top_logprobs_num: int | None = None,
+        token_ids_logprob: Sequence[int] | None = None,
+        return_text_in_logprobs: bool | None = None,
     ) -> Any:
         """`Runtime.async_generate`, each prompt on the replica the router picks for it."""
         prompts, is_batch = await asyncio.to_thread(self.inputs.token_ids, prompt, input_ids, messages)
-        params = SamplingParams.from_any(sampling_params)
+        params, logprob_start_len = logprob_options(
+            SamplingParams.from_any(sampling_params), return_logprob, logprob_start_len, top_logprobs_num,
+            token_ids_logprob, return_text_in_logprobs,
+        )
         rids = normalise_rids(rid, is_batch, len(prompts))
         self.inputs.make_requests(prompts, params, cache_salt, logprob_start_len, rids)  # validation only
         calls = [
