@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
 import threading
 
 import pytest
@@ -362,3 +363,85 @@ def test_runner_sets_threads_per_step_and_restores_them(tiny_llama_dir):
     assert all(threads == 1 for tokens, threads in seen if tokens <= 4)
     assert all(threads == before for tokens, threads in seen if tokens > 4)
     assert any(tokens > 4 for tokens, _ in seen) and any(tokens <= 4 for tokens, _ in seen)
+
+
+# --- SGLang's sampling parameters (issue 38) ---------------------------------------------------
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_min_new_tokens_masks_stop_tokens_until_reached(tiny_llama_dir, decode_steps):
+    with Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=4096, check_invariants=True,
+                 decode_steps=decode_steps) as runtime:
+        prompt = ids(10, seed=4)
+        free = runtime.generate(prompt, {**GREEDY, "max_new_tokens": 12})["output_ids"]
+        first = free[0]  # greedy's first token, made a stop token
+        out = runtime.generate(prompt, {**GREEDY, "max_new_tokens": 12, "stop_token_ids": [first],
+                                        "min_new_tokens": 5, "return_logprob": True})
+        assert len(out["output_ids"]) >= 5 and first not in out["output_ids"][:5]
+        assert out["output_ids"][0] != first
+        without = runtime.generate(prompt, {**GREEDY, "max_new_tokens": 12, "stop_token_ids": [first]})
+        assert without["output_ids"] == [first] and without["meta_info"]["finish_reason"] == {"type": "stop",
+                                                                                           "matched": first}
+
+
+def test_logit_bias_moves_greedy_to_the_biased_token(rt):
+    prompt = ids(8, seed=5)
+    out = rt.generate(prompt, {**GREEDY, "logit_bias": {"42": 100}})
+    assert out["output_ids"] == [42] * 6
+    banned = rt.generate(prompt, GREEDY)["output_ids"][0]
+    assert rt.generate(prompt, {**GREEDY, "logit_bias": {banned: -100}})["output_ids"][0] != banned
+
+
+def test_stop_regex_and_no_stop_trim(rt):
+    prompt = ids(8, seed=6)
+    free = rt.generate(prompt, {**GREEDY, "max_new_tokens": 16})["text"]
+    assert len(free) > 4, free
+    pattern = re.escape(free[2:4])
+    cut = rt.generate(prompt, {**GREEDY, "max_new_tokens": 16, "stop_regex": pattern})
+    start = re.search(pattern, free).start()
+    assert cut["text"] == free[:start] and cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    kept = rt.generate(prompt, {**GREEDY, "max_new_tokens": 16, "stop_regex": [pattern], "no_stop_trim": True})
+    assert kept["text"] == free[: re.search(pattern, free).end()]
+    stop = free[2:4]
+    assert rt.generate(prompt, {**GREEDY, "max_new_tokens": 16, "stop": stop, "no_stop_trim": True})["text"] == \
+        free[: free.index(stop) + len(stop)]
+    token = rt.generate(prompt, GREEDY)["output_ids"][1]
+    trimmed = rt.generate(prompt, {**GREEDY, "stop_token_ids": [token]})
+    untrimmed = rt.generate(prompt, {**GREEDY, "stop_token_ids": [token], "no_stop_trim": True})
+    assert untrimmed["text"] == trimmed["text"] + rt.tokenizer.decode([token])
+
+
+def test_sampling_seed_is_seed(rt):
+    sampled = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    prompt = ids(6, seed=7)
+    assert rt.generate(prompt, {**sampled, "sampling_seed": 11})["output_ids"] == \
+        rt.generate(prompt, {**sampled, "seed": 11})["output_ids"]
+    with pytest.raises(ValueError, match="sampling_seed"):
+        rt.generate(prompt, {**sampled, "seed": 1, "sampling_seed": 2})
+
+
+def test_per_prompt_sampling_params_and_logprob_fields(rt):
+    prompts = [ids(6, seed=1), ids(7, seed=2)]
+    out = rt.generate(input_ids=prompts, sampling_params=[{**GREEDY, "max_new_tokens": 2}, GREEDY],
+                      return_logprob=[False, True], logprob_start_len=[-1, 2], top_logprobs_num=[0, 2])
+    assert [len(r["output_ids"]) for r in out] == [2, 6]
+    assert "output_token_logprobs" not in out[0]["meta_info"]
+    assert len(out[1]["meta_info"]["input_token_logprobs"]) == 5 and len(out[1]["meta_info"]["input_top_logprobs"]) == 5
+    with pytest.raises(ValueError, match=r"logprob_start_len: a list gives one value per prompt"):
+        rt.generate(input_ids=prompts, sampling_params=GREEDY, logprob_start_len=[1])
+
+
+@pytest.mark.parametrize(
+    ("params", "words"),
+    [
+        ({"logit_bias": {"x": 1}}, r"logit_bias: keys must be token ids"),
+        ({"logit_bias": {"3": 101}}, r"logit_bias: values must be in \[-100, 100\]"),
+        ({"logit_bias": {"100000": 1}}, r"logit_bias: keys must be in \[0, "),
+        ({"stop_regex": "(unclosed"}, r"stop_regex: '\(unclosed' is not a valid Python regular expression"),
+        ({"stop_regex": "a*"}, r"stop_regex: 'a\*' matches the empty text"),
+        ({"min_new_tokens": 9}, r"min_new_tokens must be <= max_new_tokens \(6\)"),
+        ({"custom_params": {"x": 1}}, r"custom_params: radixrt runs no custom logit processor"),
+        ({"top_logprobs_num": 21}, r"top_logprobs_num must be in \[0, 20\]"),
+    ],
+)
+def test_bad_sglang_parameters_name_the_field(rt, params, words):
+    with pytest.raises(ValueError, match=words):
+        rt.generate(ids(4), {**GREEDY, **params})

@@ -89,10 +89,10 @@ def _normalise_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         if isinstance(key, str) and key.strip().isdigit():
             token_id = int(key)
         if token_id is None or token_id < 0:
-            raise ValueError(f"logit_bias keys must be token ids (ints >= 0, or their decimal strings), got {key!r}")
+            raise ValueError(f"logit_bias: keys must be token ids (ints >= 0, or their decimal strings), got {key!r}")
         bias = _number("logit_bias", bias, f"in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}] (token {token_id})")
         if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
-            raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+            raise ValueError(f"logit_bias: values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
                              f"got {bias} for token {token_id}")
         pairs[token_id] = bias
     return tuple(sorted(pairs.items()))
@@ -241,7 +241,7 @@ class SamplingParams:
             raise ValueError(f"{given[0]} constrains generated tokens: max_new_tokens must be >= 1 with it, got 0")
         if vocab_size is not None:
             for name, ids in (("stop_token_ids", self.stop_token_ids), ("token_ids_logprob", self.token_ids_logprob or ()),
-                              ("logit_bias keys", [t for t, _ in self.logit_bias])):
+                              ("logit_bias: keys", [t for t, _ in self.logit_bias])):
                 bad = [t for t in ids if t >= vocab_size]
                 if bad:
                     raise ValueError(f"{name} must be in [0, {vocab_size}), got {bad}")
