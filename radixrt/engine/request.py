@@ -24,9 +24,11 @@ Who writes which field (everyone else only reads):
     slots, cached_len, last_node, cached_tokens  CacheManager (admit, cache_computed, release)
     num_computed                                 CacheManager on admit/release; Scheduler.postprocess
                                                    as the step's tokens are computed
-    prompt_logprobs                              LogitPlan (prompt scoring), cleared on admit
+    prompt_logprobs, prompt_top_logprobs,        LogitPlan (prompt scoring), cleared on admit
+      prompt_ids_logprobs
     output_ids, output_logprobs,                 the request's own `append_token` / `finish`,
-      output_top_logprobs, finish_reason,          called by Scheduler.postprocess and abort
+      output_top_logprobs, output_ids_logprobs,    called by Scheduler.postprocess and abort
+      finish_reason,
       first_token_s, finished_s, the text
 
 The output side lives here too: `OutputText` turns sampled tokens into the
