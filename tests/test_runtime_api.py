@@ -445,3 +445,8 @@ def test_per_prompt_sampling_params_and_logprob_fields(rt):
 def test_bad_sglang_parameters_name_the_field(rt, params, words):
     with pytest.raises(ValueError, match=words):
         rt.generate(ids(4), {**GREEDY, **params})
+
+
+def test_an_unknown_chat_role_is_a_value_error(rt):
+    with pytest.raises(ValueError, match=r"messages\[1\].role must be one of system, user, assistant, tool"):
+        rt.generate(messages=[{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}])

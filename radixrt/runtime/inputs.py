@@ -18,6 +18,9 @@ from radixrt.sampling.grammar import Grammars
 
 PromptInput = Any  # str | list[str] | list[int] | list[list[int]] | messages | list of messages
 
+# The chat roles a message may have (the HTTP server's ChatCompletionRequest checks the same).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -94,9 +97,11 @@ class InputProcessor:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
-        for m in messages:
+        for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+            if m["role"] not in CHAT_ROLES:  # a template would drop or mangle it silently
+                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
         text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
