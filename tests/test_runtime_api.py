@@ -450,3 +450,9 @@ def test_bad_sglang_parameters_name_the_field(rt, params, words):
 def test_an_unknown_chat_role_is_a_value_error(rt):
     with pytest.raises(ValueError, match=r"messages\[1\].role must be one of system, user, assistant, tool"):
         rt.generate(messages=[{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}])
+
+
+def test_min_new_tokens_yields_to_a_complete_grammar(rt):
+    """A grammar that allows only EOS wins over min_new_tokens: the output is complete."""
+    out = rt.generate("Answer:", {"max_new_tokens": 8, "temperature": 0, "regex": "(yes|no)", "min_new_tokens": 6})
+    assert out["text"] in ("yes", "no") and out["meta_info"]["finish_reason"]["type"] == "stop"

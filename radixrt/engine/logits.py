@@ -53,14 +53,15 @@ def fill_row_mask(req: Request, allowed: torch.Tensor, row: int, num_output: int
         allowed[row] = -1
     if num_output >= req.params.min_new_tokens:
         return
-    words = allowed[row].tolist()
+    before = allowed[row].clone() if req.grammar is not None else None
+    words = allowed[row]
     for token in (*req.params.stop_token_ids, *req.eos_token_ids):
         word, bit = divmod(token, 32)
-        if word < len(words):
-            value = words[word] & ~(1 << bit) & 0xFFFFFFFF
+        if word < words.numel():
+            value = int(words[word]) & ~(1 << bit) & 0xFFFFFFFF
             words[word] = value - (1 << 32) if value >= 1 << 31 else value
-    if any(words):
-        allowed[row] = torch.tensor(words, dtype=torch.int32)
+    if before is not None and not bool(words.any()):
+        allowed[row] = before
 
 
 @dataclass

@@ -156,7 +156,8 @@ class OutputText:
             text = self._detokenizer.append(token_id)
             if num_output_tokens < self._params.min_new_tokens or stopped_by_token:
                 self._delta.append(self._stops.feed_unmatched(text))
-                self._regex_from = len(self._stops.seen)
+                if self._regexes:
+                    self._regex_from = len(self._stops.seen)
             else:
                 self._delta.append(self._stops.feed(text))
                 if self._regexes and self._stops.matched is None:
