@@ -23,13 +23,13 @@ import torch
 
 from radixrt.config import RuntimeConfig
 from radixrt.engine.cache_manager import CacheManager
-from radixrt.engine.logits import LogitPlan
+from radixrt.engine.logits import LogitPlan, fill_row_mask, needs_mask
 from radixrt.engine.request import Request, stop_token_ids
 from radixrt.engine.scheduler import ScheduledBatch, Scheduler
 from radixrt.kernels import cpu
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.runner import ModelRunner
-from radixrt.sampling.grammar import Matcher, new_bitmask
+from radixrt.sampling.grammar import new_bitmask
 from radixrt.sampling.sampler import Sampler, run_sampling
 
 logger = logging.getLogger("radixrt.engine")
@@ -194,14 +194,14 @@ class Engine:
 
 
 class _RunGrammars:
-    """A decode run's `advance` call back: between two steps, each constrained row's grammar takes
-    the row's token and writes the row's next mask. `rewind` then takes those tokens back, so that
-    `Scheduler.postprocess_run` appends them to the requests as single steps would. With
-    jump-forward, the run ends at a step after which a grammar forces its next text, so that the
-    next step computes it as a draft."""
+    """A decode run's `advance` call back: between two steps, each masked row (a grammar's, or one
+    short of `min_new_tokens`: `needs_mask`) takes the row's token and writes the row's next mask.
+    `rewind` then takes the grammars' tokens back, so that `Scheduler.postprocess_run` appends them
+    to the requests as single steps would. With jump-forward, the run ends at a step after which a
+    grammar forces its next text, so that the next step computes it as a draft."""
 
-    def __init__(self, rows: list[tuple[int, Matcher]], allowed: torch.Tensor, jump_forward: bool):
-        self._rows = rows
+    def __init__(self, rows: list[tuple[int, Request]], allowed: torch.Tensor, jump_forward: bool):
+        self._rows = [(row, req, len(req.output_ids)) for row, req in rows]
         self._allowed = allowed
         self._jump_forward = jump_forward
         self._taken = 0
@@ -211,28 +211,30 @@ class _RunGrammars:
 
     @classmethod
     def of(cls, reqs: list[Request], vocab_size: int, jump_forward: bool) -> _RunGrammars | None:
-        """The grammars of a run's constrained rows, their first step's masks written; None without any."""
-        rows = [(row, req.grammar) for row, req in enumerate(reqs) if req.grammar is not None]
+        """The masked rows of a run, their first step's masks written; None without any."""
+        rows = [(row, req) for row, req in enumerate(reqs) if needs_mask(req, len(req.output_ids))]
         if not rows:
             return None
         allowed = new_bitmask(len(reqs), vocab_size)
-        for row, grammar in rows:
-            grammar.fill_mask(allowed, row)
+        for row, req in rows:
+            fill_row_mask(req, allowed, row, len(req.output_ids))
         return cls(rows, allowed, jump_forward)
 
     def __call__(self, step: int, tokens: list[int]) -> bool:
         self._taken += 1
         end = False
-        for row, grammar in self._rows:
-            if not grammar.accept(tokens[row]):
+        for row, req, num_output in self._rows:
+            grammar = req.grammar
+            if grammar is not None and not grammar.accept(tokens[row]):
                 raise RuntimeError(f"token {tokens[row]} of row {row} is outside its grammar, which allowed it")
-            grammar.fill_mask(self._allowed, row)
-            end = end or (self._jump_forward and grammar.forces_text)
+            fill_row_mask(req, self._allowed, row, num_output + self._taken)
+            end = end or (self._jump_forward and grammar is not None and grammar.forces_text)
         return end
 
     def rewind(self) -> None:
-        for _, grammar in self._rows:
-            grammar.rollback(self._taken)
+        for _, req, _ in self._rows:
+            if req.grammar is not None:
+                req.grammar.rollback(self._taken)
         self._taken = 0
 
 

@@ -152,7 +152,7 @@ class Scheduler:
                 req.finish(FinishReason.at_length(req.params.token_limit))
             for index, token in enumerate(tokens):
                 req.num_computed += index > 0  # the draft token this one follows was confirmed
-                req.append_token(token.token_id, token.logprob, token.top_logprobs)
+                req.append_token(token.token_id, token.logprob, token.top_logprobs, token.ids_logprobs)
                 if req.finish_reason is not None:
                     break
             if req.finish_reason is not None:
@@ -184,7 +184,7 @@ class Scheduler:
             return 1
         if self.waiting and len(self.running) < self.config.max_running_requests:
             return 1
-        if any(num != 1 for _, num in batch.items):
+        if any(num != 1 or not r.params.decodes_in_runs for r, num in batch.items):
             return 1
         steps = min(max_steps, *(r.remaining_new_tokens for r, _ in batch.items))
         if steps < 2 or not all(self.cache.reserve(r, steps) for r, _ in batch.items):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixrt.engine.logprobs import logprob_values
 from radixrt.lang.chat import ChatTemplate
 from radixrt.lang.context import ProgramContext
 from radixrt.lang.ir import Expr, Gen, RoleBlock, Select
@@ -88,12 +89,15 @@ def _select(ctx: ProgramContext, expr: Select) -> None:
     for choice, ids in zip(expr.choices, choice_ids):
         if not ids:
             raise ValueError(f"select({expr.name!r}): choice {choice!r} tokenizes to nothing")
+    # SGLang's entries cover prompt[start:], the first padded with None: start one token early.
     results = ctx.runtime.generate(
         input_ids=[prefix + ids for ids in choice_ids],
         sampling_params={"max_new_tokens": 0},
-        logprob_start_len=len(prefix),
+        return_logprob=True,
+        logprob_start_len=len(prefix) - 1,
     )
-    token_logprobs = [list(r["meta_info"]["input_token_logprobs"]) for r in results]
+    token_logprobs = [[float(v) for v in logprob_values(r["meta_info"]["input_token_logprobs"])[1:] if v is not None]
+                      for r in results]  # fmt: skip
     for logprobs, ids in zip(token_logprobs, choice_ids):
         assert len(logprobs) == len(ids), "the runtime scored a different number of choice tokens"
     scores = [sum(logprobs) / len(logprobs) for logprobs in token_logprobs]

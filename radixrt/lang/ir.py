@@ -69,7 +69,9 @@ def gen(
     name: str,
     max_tokens: int | None = None,
     *,
+    min_tokens: int | None = None,
     stop: str | Sequence[str] | None = None,
+    stop_regex: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -81,6 +83,8 @@ def gen(
     seed: int | None = None,
     ignore_eos: bool | None = None,
     return_logprob: bool | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
     regex: str | None = None,
     json_schema: str | Mapping[str, Any] | None = None,
     ebnf: str | None = None,
@@ -89,7 +93,9 @@ def gen(
     """Generate text from the state so far and store it as `s[name]`.
 
     Parameters left as None take the runtime's defaults (docs/sampling.md):
-    max_tokens 128, temperature 1.0. Values are checked here, so a bad one
+    max_tokens 128, temperature 1.0. `min_tokens` is SGLang's gen name for
+    `min_new_tokens`; log-probs come in SGLang's `meta_info` shapes
+    (`get_meta_info(name)`). Values are checked here, so a bad one
     raises in the program's line. At most one of `regex`, `json_schema` (a
     dict or JSON text), `ebnf` and `dtype` (int, float, bool or str, or
     their names: a regex for that type, DTYPE_REGEX) constrains the text
@@ -113,7 +119,8 @@ def gen(
         "max_new_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "min_p": min_p, "frequency_penalty": frequency_penalty,
         "presence_penalty": presence_penalty, "repetition_penalty": repetition_penalty, "seed": seed,
-        "ignore_eos": ignore_eos, "return_logprob": return_logprob,
+        "ignore_eos": ignore_eos, "return_logprob": return_logprob, "min_new_tokens": min_tokens,
+        "stop_regex": stop_regex, "top_logprobs_num": top_logprobs_num, "return_text_in_logprobs": return_text_in_logprobs,
         "regex": regex, "json_schema": json_schema, "ebnf": ebnf,
     }
     try:

@@ -3,7 +3,7 @@
 `Sampler.sample` uses a fixed number of batched tensor operations, whatever
 the mix of settings in the batch:
 
-    logits ─► constraint masks ─► penalties (repetition, then frequency/presence) ─► logprobs
+    logits ─► constraint masks ─► penalties (repetition, then frequency/presence) ─► logit_bias ─► logprobs
            └► greedy rows: argmax
            └► sampled rows: / temperature ─► top-k, top-p, min-p threshold
                             ─► inverse CDF at u = hash(seed, step)
@@ -90,12 +90,15 @@ class SampleOutput:
     constraint and penalties), comparable across requests whatever their
     temperature, and finite for greedy rows too.
     `top_logprobs[i]` lists row i's `top_logprobs_num` most likely tokens
-    under the same distribution (None when no row asked for any).
+    under the same distribution (None when no row asked for any), and
+    `ids_logprobs[i]` the log-probabilities of its `token_ids_logprob`, in
+    their order (None when no row asked).
     """
 
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    ids_logprobs: list[list[float]] | None = None
 
 
 class Sampler:
@@ -125,11 +128,14 @@ class Sampler:
         for name, seq in (("params", params), ("seeds", seeds), ("prompt_ids", prompt_ids), ("output_ids", output_ids)):
             if len(seq) != batch_size:
                 raise ValueError(f"{name} must have one entry per logits row ({batch_size}), got {len(seq)}")
-        logits = apply_penalties(apply_masks(logits.float(), masks), params, prompt_ids, output_ids)
+        logits = apply_logit_bias(
+            apply_penalties(apply_masks(logits.float(), masks), params, prompt_ids, output_ids), params
+        )
         argmax, row_max, log_norm = _row_stats(logits)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled:  # every token is its row's largest value: no gather
-            return SampleOutput(argmax, row_max - log_norm, _top_logprobs(logits, log_norm, params))
+            return SampleOutput(argmax, row_max - log_norm, _top_logprobs(logits, log_norm, params),
+                                _ids_logprobs(logits, log_norm, params))
         token_ids = argmax  # right for the greedy rows; the sampled ones are drawn into it below
         rows = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
         rows_params = [params[i] for i in sampled]
@@ -141,7 +147,37 @@ class Sampler:
         else:
             token_ids[rows] = _sample_rows(_select(logits, sampled), rows_params, row_uniforms)
         logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - log_norm
-        return SampleOutput(token_ids, logprobs, _top_logprobs(logits, log_norm, params))
+        return SampleOutput(token_ids, logprobs, _top_logprobs(logits, log_norm, params),
+                            _ids_logprobs(logits, log_norm, params))
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`logits` with each row's `logit_bias` added (a copy; `logits` itself without any bias).
+    After the masks and the penalties, as OpenAI and SGLang add it just before sampling; a
+    masked token stays -inf. Each row alone, so a row's bits do not depend on its batch."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if not biased:
+        return logits
+    logits = logits.clone()
+    for i in biased:
+        ids = torch.tensor([t for t, _ in params[i].logit_bias], dtype=torch.int64, device=logits.device)
+        bias = torch.tensor([b for _, b in params[i].logit_bias], dtype=logits.dtype, device=logits.device)
+        logits[i, ids] += bias
+    return logits
+
+
+def _ids_logprobs(
+    logits: torch.Tensor, log_norm: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[list[float]] | None:
+    """Per row, the log-probabilities of its `token_ids_logprob` (None when no row asks)."""
+    if all(p.token_ids_logprob is None for p in params):
+        return None
+    out: list[list[float]] = [[] for _ in params]
+    for i, p in enumerate(params):
+        if p.token_ids_logprob:
+            ids = torch.tensor(p.token_ids_logprob, dtype=torch.int64, device=logits.device)
+            out[i] = (logits[i, ids] - log_norm[i]).tolist()
+    return out
 
 
 def run_sampling(

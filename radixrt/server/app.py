@@ -35,6 +35,7 @@ from radixrt.server import openai_api, tool_parsers, tools
 from radixrt.server.constraints import Constraint
 from radixrt.server.dashboard import DASHBOARD_HTML
 from radixrt.server.metrics import ServerMetrics
+from radixrt.server.sglang_fields import check_generate_fields
 from radixrt.server.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -354,42 +355,40 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     # --- SGLang native ------------------------------------------------------------------
     @app.post("/generate")
     async def native_generate(body: GenerateRequest, request: Request, key: str | None = Depends(tenant)) -> Response:
-        log_unknown(body, "/generate")
+        try:
+            check_generate_fields(body.model_extra or {})
+        except ValueError as error:
+            raise _bad_request(error) from None
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "give exactly one of text or input_ids", param="text")
-        params = dict(body.sampling_params or {})
-        # SGLang's client sends every constraint field, null when unused: null means none.
-        constrained = [name for name in CONSTRAINT_FIELDS if params.get(name) is not None]
-        if len(constrained) > 1:
-            raise APIError(400, f"sampling_params: give at most one output constraint of "
-                                f"{', '.join(CONSTRAINT_FIELDS)}; got {' and '.join(constrained)}",
-                           param="sampling_params")
-        if isinstance(params.get("json_schema"), dict):  # as text in the client's key order (constraints._json_text)
-            params["json_schema"] = json.dumps(params["json_schema"])
-        if constrained and params.get("max_new_tokens") == 0:
-            raise APIError(400, f"max_new_tokens must be >= 1 with {constrained[0]}, which constrains generated "
-                                "tokens; got 0", param="max_new_tokens")
-        if body.return_logprob:
-            params["return_logprob"] = True
         prompts: list[Any] = body.text if isinstance(body.text, list) else list(body.input_ids or [])
         many = isinstance(body.text, list) or bool(prompts) and isinstance(prompts[0], list)
         num_prompts = len(prompts) if many else 1
+        params: Any = body.sampling_params
+        if isinstance(params, list):
+            params = [_sglang_sampling(p) for p in params]
+            if not many and len(params) == 1:
+                params = params[0]  # SGLang takes a one-item list for one prompt
+        else:
+            params = _sglang_sampling(params or {})
         rid: str | list[str] | None = body.rid
         if rid is None:
             rid = [openai_api.new_id("gen") for _ in range(num_prompts)] if many else openai_api.new_id("gen")
+        salt = body.cache_salt if body.extra_key is None else f"{body.extra_key}:{body.cache_salt or ''}"
         options: dict[str, Any] = {
-            "sampling_params": params, "cache_salt": cache_salt(key, body.cache_salt), "rid": rid,
-            "logprob_start_len": body.logprob_start_len,
+            "sampling_params": params, "cache_salt": cache_salt(key, salt), "rid": rid,
+            "return_logprob": body.return_logprob, "logprob_start_len": body.logprob_start_len,
+            "top_logprobs_num": body.top_logprobs_num, "token_ids_logprob": body.token_ids_logprob,
+            "return_text_in_logprobs": body.return_text_in_logprobs,
         }
         if body.text is not None:
             options["prompt"] = body.text
         else:
             options["input_ids"] = body.input_ids
-        n = params.get("n", 1)
-        num_requests = num_prompts * (n if isinstance(n, int) and n > 0 else 1)
+        samples = [p.get("n", 1) if isinstance(p, dict) else 1 for p in (params if isinstance(params, list) else
+                                                                         [params] * num_prompts)]  # fmt: skip
+        num_requests = sum(n if isinstance(n, int) and n > 0 else 1 for n in samples)
         if body.stream:
-            if many:
-                raise APIError(400, "stream needs a single prompt", param="stream")
             return await run_stream(num_requests, "text", lambda chunks: _native_stream(state, chunks), **options)
         results = await run_plain(num_requests, "text", request, **options)
         return _ORJSONResponse(results if many or len(results) > 1 else results[0])
@@ -401,6 +400,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         return _ORJSONResponse({})
 
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info(key: str | None = Depends(tenant)) -> dict[str, Any]:
         limits = runtime.inputs.limits
         return {"model_path": runtime.model_name, "tokenizer_path": runtime.model_name, "is_generation": True,
@@ -408,6 +408,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
                 "vocab_size": limits.vocab_size}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info(key: str | None = Depends(tenant)) -> dict[str, Any]:
         stats = await asyncio.to_thread(runtime.cache_stats)
         return {
@@ -470,6 +471,23 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
 
     app.state.radixrt = state
     return app
+
+
+def _sglang_sampling(params: dict[str, Any]) -> dict[str, Any]:
+    """A /generate `sampling_params` dict as the runtime takes it; a 400 names the constraint fields
+    at the route, where the client's words are known (SGLang's client sends each of them, null
+    when unused: null means none)."""
+    params = dict(params)
+    constrained = [name for name in CONSTRAINT_FIELDS if params.get(name) is not None]
+    if len(constrained) > 1:
+        raise APIError(400, f"sampling_params: give at most one output constraint of "
+                            f"{', '.join(CONSTRAINT_FIELDS)}; got {' and '.join(constrained)}", param="sampling_params")
+    if isinstance(params.get("json_schema"), dict):  # as text in the client's key order (constraints._json_text)
+        params["json_schema"] = json.dumps(params["json_schema"])
+    if constrained and params.get("max_new_tokens") == 0:
+        raise APIError(400, f"max_new_tokens must be >= 1 with {constrained[0]}, which constrains generated "
+                            "tokens; got 0", param="max_new_tokens")
+    return params
 
 
 def _is_token_list(prompt: Any) -> bool:
@@ -602,7 +620,8 @@ async def _native_stream(state: _State, chunks: AsyncIterator[dict]) -> AsyncIte
             index = chunk["index"]
             text[index] = text.get(index, "") + chunk["text"]
             ids.setdefault(index, []).extend(chunk["output_ids"])
-            meta = chunk.get("meta_info") or {"id": chunk["id"]}
+            meta = chunk.get("meta_info") or {"id": chunk["id"], "finish_reason": None,
+                                              "completion_tokens": len(ids[index])}
             if chunk["finished"]:
                 state.finished(meta)
             yield _data({"index": index, "text": text[index], "output_ids": ids[index], "meta_info": meta})

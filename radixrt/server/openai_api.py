@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any, NamedTuple, Sequence
 
+from radixrt.engine.logprobs import logprob_values, top_pairs
 from radixrt.server import constraints, openai_fields, tool_parsers, tools
 from radixrt.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
@@ -158,19 +159,20 @@ def chat_logprobs(result: dict[str, Any], tokenizer: Any) -> dict[str, Any] | No
     meta = result["meta_info"]
     if "output_token_logprobs" not in meta:
         return None
-    tops = meta.get("output_top_logprobs") or [[] for _ in meta["output_token_logprobs"]]
+    values = logprob_values(meta["output_token_logprobs"])
+    tops = meta.get("output_top_logprobs") or [[] for _ in values]
     content = []
-    for token_id, logprob, top in zip(result["output_ids"], meta["output_token_logprobs"], tops):
+    for token_id, logprob, top in zip(result["output_ids"], values, tops):
         content.append(
             {
                 **_token_entry(tokenizer, token_id, logprob),
-                "top_logprobs": [_token_entry(tokenizer, t, lp) for t, lp in top],
+                "top_logprobs": [_token_entry(tokenizer, t, lp) for t, lp in top_pairs(top)],
             }
         )
     return {"content": content}
 
 
-def _token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+def _token_entry(tokenizer: Any, token_id: int, logprob: float | None) -> dict[str, Any]:
     text = tokenizer.decode([token_id])
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
@@ -187,8 +189,8 @@ def completion_logprobs(result: dict[str, Any], tokenizer: Any) -> dict[str, Any
     tops = meta.get("output_top_logprobs") or [[] for _ in tokens]
     return {
         "tokens": tokens,
-        "token_logprobs": meta["output_token_logprobs"],
-        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top} for top in tops],
+        "token_logprobs": logprob_values(meta["output_token_logprobs"]),
+        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top_pairs(top)} for top in tops],
         "text_offset": offsets,
     }
 

@@ -188,16 +188,22 @@ class CompletionRequest(_SamplingFields):
 
 
 class GenerateRequest(_Body):
-    """SGLang's native `/generate` body."""
+    """SGLang's native `/generate` body: the fields radixrt acts on. The route sorts every other
+    field of SGLang's `GenerateReqInput` (radixrt.server.sglang_fields): a no-op, refused unless
+    its value asks for nothing, or not SGLang's (a 400). A list gives one value per prompt."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None  # -1 (SGLang's default): the output only
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    return_text_in_logprobs: bool = False
     cache_salt: str | None = None
+    extra_key: str | None = None  # SGLang's cache-isolation key: joins cache_salt
 
 
 class ExplainRequest(_Body):
