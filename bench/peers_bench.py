@@ -34,7 +34,8 @@ systems taking turns within each repetition. The table gives medians and,
 for each peer, peer seconds / radixrt seconds (above 1: radixrt is faster).
 
 Run: python bench/peers_bench.py [--systems radixrt,llamacpp-q4,llamacpp-bf16,vllm]
-         [--runs 3] [--quick] [--out FILE] [--vllm-python /path/to/venv/bin/python]
+         [--runs 3] [--quick] [--workloads table,few_shot,fork,chat,structured] [--out FILE]
+         [--vllm-python /path/to/venv/bin/python]
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from radixrt.model.gguf_cache import cache_root, gguf_to_hf_folder
 from radixrt.model.loader import bundled_model_path
 
 SYSTEMS = ("radixrt", "llamacpp-q4", "llamacpp-bf16", "vllm")
+WORKLOADS = ("table", "few_shot", "fork", "chat", "structured")
 WORKER = Path(__file__).resolve().parent / "peers_worker.py"
 # Symlinked from radixrt's GGUF cache: only what a Hugging Face loader or converter should read.
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -278,6 +280,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llama-cpp-src", type=Path,
                         help="llama.cpp sources with convert_hf_to_gguf.py (default: unpack the installed "
                              "llama-cpp-python's source package, fetched with pip); only for a missing bf16 GGUF")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, from {', '.join(WORKLOADS)} (start-up always runs)")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (n_threads and n_threads_batch)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one system's run may take")
     args = parser.parse_args(argv)
@@ -285,6 +289,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown or not args.systems:
         parser.error(f"--systems must name some of {', '.join(SYSTEMS)}; unknown: {', '.join(unknown)}")
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = sorted(set(args.workloads) - set(WORKLOADS))
+    if unknown or not args.workloads:
+        parser.error(f"--workloads must name some of {', '.join(WORKLOADS)}; unknown: {', '.join(unknown)}")
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
     if args.quick:
@@ -388,7 +396,7 @@ def report(results: dict[str, list[dict[str, Any]]], failures: dict[str, str], s
             "(the benchmark itself adds up to about 2).")
     lines += ["", note, ""]
     for system in systems:
-        runs_text = "; ".join(", ".join(f"{key.removesuffix('_s')} {r[key]:.2f}" for key, _ in ROWS)
+        runs_text = "; ".join(", ".join(f"{key.removesuffix('_s')} {r[key]:.2f}" for key, _ in ROWS if key in r)
                               for r in results[system])
         lines.append(f"- {results[system][0]['version'] if results[system] else system}: {runs_text}")
     for system, why in failures.items():
@@ -402,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     work, shapes = build_work(AutoTokenizer.from_pretrained(folder), sizes)
     spec = {"threads": args.threads, "context_tokens": context_tokens(work), "hf_folder": str(folder),
-            "gguf_q4": str(bundled_model_path()), "work": work}
+            "gguf_q4": str(bundled_model_path()), "work": work, "workloads": args.workloads}
     if "llamacpp-bf16" in args.systems:
         spec["gguf_bf16"] = str(bf16_gguf(folder, args.llama_cpp_src))
     results: dict[str, list[dict[str, Any]]] = {system: [] for system in args.systems}

@@ -226,25 +226,33 @@ def timed(system: Adapter, prompts: list[list[int]], new_tokens: int, **sampling
     return seconds, completions
 
 
-def run_workloads(system: Adapter, work: dict[str, Any]) -> dict[str, float]:
-    """Seconds of each timed workload; every workload starts from an empty prefix cache."""
+def run_workloads(system: Adapter, work: dict[str, Any], workloads: list[str]) -> dict[str, float]:
+    """Seconds of each timed workload named in `workloads`; each starts from an empty prefix cache."""
     result: dict[str, float] = {}
-    table = work["table"]
-    system.flush()
-    result["table_cold_s"], _ = timed(system, [table["cold"]], table["new_tokens"])
-    result["table_hit_s"], _ = timed(system, [table["hit"]], table["new_tokens"])
+    if "table" in workloads:
+        table = work["table"]
+        system.flush()
+        result["table_cold_s"], _ = timed(system, [table["cold"]], table["new_tokens"])
+        result["table_hit_s"], _ = timed(system, [table["hit"]], table["new_tokens"])
+    if "few_shot" in workloads:
+        few_shot = work["few_shot"]
+        system.flush()
+        system.generate([few_shot["prefix"]], 1)  # the prefix is warm, as in a running service
+        result["few_shot_s"], _ = timed(system, few_shot["prompts"], few_shot["new_tokens"])
+    if "fork" in workloads:
+        fork = work["fork"]
+        system.flush()
+        result["fork_s"], _ = timed(system, [fork["prompt"]], fork["new_tokens"], temperature=fork["temperature"],
+                                    n=fork["n"], seed=1)
+    if "chat" in workloads:
+        result.update(_chat(system, work["chat"]))
+    if "structured" in workloads:
+        result.update(_structured(system, work["structured"]))
+    return result
 
-    few_shot = work["few_shot"]
-    system.flush()
-    system.generate([few_shot["prefix"]], 1)  # the prefix is warm, as in a running service
-    result["few_shot_s"], _ = timed(system, few_shot["prompts"], few_shot["new_tokens"])
 
-    fork = work["fork"]
-    system.flush()
-    result["fork_s"], _ = timed(system, [fork["prompt"]], fork["new_tokens"], temperature=fork["temperature"],
-                                n=fork["n"], seed=1)
-
-    chat = work["chat"]
+def _chat(system: Adapter, chat: dict[str, Any]) -> dict[str, float]:
+    result: dict[str, float] = {}
     system.flush()
     conversations = [list(first) for first in chat["first"]]
     result["chat_s"] = result["chat_prompt_tokens"] = result["chat_reused_tokens"] = 0.0
@@ -262,8 +270,11 @@ def run_workloads(system: Adapter, work: dict[str, Any]) -> dict[str, float]:
         conversations = [history + reply.output_ids for history, reply in zip(conversations, replies, strict=True)]
     if not reuse_known:
         del result["chat_reused_tokens"]
+    return result
 
-    structured = work["structured"]
+
+def _structured(system: Adapter, structured: dict[str, Any]) -> dict[str, float]:
+    result: dict[str, float] = {}
     system.flush()
     system.generate(structured["prompts"][:1], 1)  # the chat template's common prefix is warm
     start = time.perf_counter()
@@ -291,7 +302,7 @@ def main(argv: list[str]) -> int:
         for prompts in spec["work"]["warmup"]:  # untimed: first-call costs (allocations, kernel choice) go here
             system.generate(prompts, 4)
             system.generate(prompts[:1], 4, temperature=0.7, n=2)
-        result = {"startup_s": startup_s, **run_workloads(system, spec["work"])}
+        result = {"startup_s": startup_s, **run_workloads(system, spec["work"], spec["workloads"])}
     finally:
         system.close()
     Path(out_path).write_text(json.dumps({"system": name, "version": system.version, **result}))
