@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from radixrt import Runtime, gen
+from radixrt import gen
 from radixrt.lang.ir import DTYPE_REGEX
 from radixrt.server import constraints
-from radixrt.server.app import _bad_request, create_app
+from radixrt.server.app import _bad_request
 from radixrt.server.constraints import ANY_OBJECT_SCHEMA, Constraint
 from test_server import CHAT, call
 
@@ -143,17 +143,7 @@ def test_a_constraint_error_names_the_field_the_client_sent():
 
 
 # --- through the app ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def runtime(tiny_llama_dir):
-    with Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=4096, check_invariants=True) as rt:
-        yield rt
-
-
-@pytest.fixture(scope="module")
-def app(runtime):
-    return create_app(runtime)
-
-
+from test_server import app, runtime  # noqa: F401  (module-scoped fixtures: one tiny runtime here)
 @pytest.fixture
 def sent(runtime, monkeypatch) -> list[dict[str, Any]]:
     """The sampling_params of every async_generate call the app makes (the calls still run)."""
@@ -306,16 +296,7 @@ def test_gen_constraints_and_their_errors_are_named():
 
 
 # --- CLI: bad options fail before anything loads --------------------------------------------
-_WITHOUT_TORCH = """
-import sys
-from radixrt.cli import main
-try:
-    code = main(sys.argv[1:])
-except SystemExit as exit:
-    code = exit.code
-print("torch imported" if "torch" in sys.modules else "torch not imported")
-sys.exit(code)
-"""
+from test_cli import _WITHOUT_TORCH  # noqa: E402  (the CLI run in a process that reports torch)
 
 
 def test_cli_constraint_options_fail_before_anything_loads(tmp_path):

@@ -17,22 +17,10 @@ from typing import Any
 import jsonschema
 import pytest
 
-from radixrt import Runtime, function, gen
+from radixrt import function, gen
 from radixrt.lang.ir import DTYPE_REGEX
-from radixrt.server.app import create_app
-from test_server import CHAT, call, events
+from test_server import CHAT, app, call, events, runtime  # noqa: F401  (fixtures)
 from test_structured_edges import JSON_SCHEMA_FORMAT, SCHEMA, YES_NO
-
-
-@pytest.fixture(scope="module")
-def runtime(tiny_llama_dir):
-    with Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=4096, check_invariants=True) as rt:
-        yield rt
-
-
-@pytest.fixture(scope="module")
-def app(runtime):
-    return create_app(runtime)
 
 
 def test_regex_and_grammar_outputs_match_on_every_route(app):

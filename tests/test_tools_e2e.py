@@ -20,16 +20,7 @@ openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
-                   "additionalProperties": False},
-}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}},
-                                       "required": ["utc"], "additionalProperties": False},
-}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+from test_openai_tools import ASK, TIME, WEATHER  # noqa: E402
 
 
 @pytest.fixture(scope="module")
