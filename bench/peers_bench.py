@@ -23,6 +23,10 @@ same for every system; every request generates exactly its new tokens):
   fork       one ~330-token question sampled 8 times at temperature 0.7, 32 tokens each
   chat       8 chats x 4 turns in the model's chat template, each turn's prompt the
              whole conversation so far, turn by turn; 32 greedy tokens per reply
+  JSON       16 records of a 10-field JSON Schema (structured_bench.py's), greedy, all at once,
+             each system's own constraint path (radixrt's llguidance masks and jump-forward,
+             vLLM's structured outputs with its default backend, llama.cpp's GBNF from the
+             schema); outputs differ in length, so the table adds generated tokens / s
   start-up   construction to the first answered 1-token request (imports excluded)
 
 Every system and repetition runs in a fresh process (bench/peers_worker.py),
@@ -30,7 +34,8 @@ systems taking turns within each repetition. The table gives medians and,
 for each peer, peer seconds / radixrt seconds (above 1: radixrt is faster).
 
 Run: python bench/peers_bench.py [--systems radixrt,llamacpp-q4,llamacpp-bf16,vllm]
-         [--runs 3] [--quick] [--out FILE] [--vllm-python /path/to/venv/bin/python]
+         [--runs 3] [--quick] [--workloads table,few_shot,fork,chat,structured] [--out FILE]
+         [--vllm-python /path/to/venv/bin/python]
 """
 
 from __future__ import annotations
@@ -53,12 +58,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peers_worker import MISSING_PACKAGE
+from structured_bench import TEN_FIELDS, person_request
 from transformers import AutoTokenizer
 
 from radixrt.model.gguf_cache import cache_root, gguf_to_hf_folder
 from radixrt.model.loader import bundled_model_path
 
 SYSTEMS = ("radixrt", "llamacpp-q4", "llamacpp-bf16", "vllm")
+WORKLOADS = ("table", "few_shot", "fork", "chat", "structured")
 WORKER = Path(__file__).resolve().parent / "peers_worker.py"
 # Symlinked from radixrt's GGUF cache: only what a Hugging Face loader or converter should read.
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -69,6 +76,7 @@ ROWS = (  # (result key, label)
     ("few_shot_s", "few-shot, prefix warm"),
     ("fork_s", "fork, 8 samples"),
     ("chat_s", "chat, all turns"),
+    ("structured_s", "JSON schema, 10 fields"),
     ("startup_s", "start-up"),
 )
 
@@ -89,12 +97,14 @@ class Sizes:
     chats: int = 8
     chat_turns: int = 4
     chat_new_tokens: int = 32
+    structured_records: int = 16
+    structured_new_tokens: int = 200
 
 
 FULL = Sizes()
 QUICK = Sizes(table_tokens=300, table_new_tokens=8, few_shot_prefix_tokens=200, few_shot_questions=4,
               few_shot_new_tokens=8, fork_tokens=100, fork_samples=4, fork_new_tokens=8, chat_system_tokens=80,
-              chats=2, chat_turns=2, chat_new_tokens=8)
+              chats=2, chat_turns=2, chat_new_tokens=8, structured_records=2)
 
 _FIRST = ("Ada", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Keiko", "Liam",
           "Maya", "Nils", "Olga", "Pedro", "Rania", "Stefan", "Tomas", "Vera")
@@ -221,9 +231,11 @@ def build_work(tokenizer: Any, sizes: Sizes) -> tuple[dict[str, Any], dict[str, 
     """Every workload's token ids, and a line per table row on its shape."""
     prompts = _Prompts(tokenizer, sizes)
     table, few_shot, fork, chat = prompts.table(), prompts.few_shot(), prompts.fork(), prompts.chat()
+    structured = {"prompts": [prompts.user_turn(person_request(i)) for i in range(sizes.structured_records)],
+                  "schema": TEN_FIELDS, "new_tokens": sizes.structured_new_tokens}
     work = {"startup": prompts.user_turn("Say hello."),
             "warmup": [[prompts.user_turn(f"Name a fruit that starts with {letter}.") for letter in "ABCD"]],
-            "table": table, "few_shot": few_shot, "fork": fork, "chat": chat}
+            "table": table, "few_shot": few_shot, "fork": fork, "chat": chat, "structured": structured}
     lengths = [len(p) for p in few_shot["prompts"]]
     shared, new = len(few_shot["prefix"]), sizes.few_shot_new_tokens
     shapes = {
@@ -234,6 +246,8 @@ def build_work(tokenizer: Any, sizes: Sizes) -> tuple[dict[str, Any], dict[str, 
         "fork_s": f"{len(fork['prompt']):,}-token prompt, {sizes.fork_samples} x {sizes.fork_new_tokens} new, T=0.7",
         "chat_s": f"{sizes.chats} x {sizes.chat_turns} turns, {min(map(len, chat['first'])):,}-"
                   f"{_longest_chat(chat) - sizes.chat_new_tokens:,}-token prompts, {sizes.chat_new_tokens} new",
+        "structured_s": f"{sizes.structured_records} records at once, greedy, each system's own JSON-schema "
+                        f"constraint (at most {sizes.structured_new_tokens} tokens)",
         "startup_s": "construction to a first 1-token answer",
     }
     return work, shapes
@@ -266,6 +280,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llama-cpp-src", type=Path,
                         help="llama.cpp sources with convert_hf_to_gguf.py (default: unpack the installed "
                              "llama-cpp-python's source package, fetched with pip); only for a missing bf16 GGUF")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, from {', '.join(WORKLOADS)} (start-up always runs)")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (n_threads and n_threads_batch)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one system's run may take")
     args = parser.parse_args(argv)
@@ -273,6 +289,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown or not args.systems:
         parser.error(f"--systems must name some of {', '.join(SYSTEMS)}; unknown: {', '.join(unknown)}")
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = sorted(set(args.workloads) - set(WORKLOADS))
+    if unknown or not args.workloads:
+        parser.error(f"--workloads must name some of {', '.join(WORKLOADS)}; unknown: {', '.join(unknown)}")
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
     if args.quick:
@@ -365,13 +385,18 @@ def report(results: dict[str, list[dict[str, Any]]], failures: dict[str, str], s
         reused, prompt = median(system, "chat_reused_tokens"), median(system, "chat_prompt_tokens")
         reuse.append("n/a" if reused is None or not prompt else f"{reused / prompt:.1%} of {prompt:,.0f}")
     lines.append(f"| chat: prompt tokens reused | | {' | '.join(reuse)} |")
+    throughput = []
+    for system in systems:
+        seconds, tokens = median(system, "structured_s"), median(system, "structured_tokens")
+        throughput.append("-" if not seconds or tokens is None else f"{tokens / seconds:.0f} tok/s")
+    lines.append(f"| JSON schema: generated tokens / s | | {' | '.join(throughput)} |")
     kind = f"medians of {runs}" if runs > 1 else "1 run"
     note = (f"Seconds, {kind}; (Nx) = peer seconds / radixrt seconds, above 1 when radixrt is faster. "
             f"{os.cpu_count()} cores; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
             "(the benchmark itself adds up to about 2).")
     lines += ["", note, ""]
     for system in systems:
-        runs_text = "; ".join(", ".join(f"{key.removesuffix('_s')} {r[key]:.2f}" for key, _ in ROWS)
+        runs_text = "; ".join(", ".join(f"{key.removesuffix('_s')} {r[key]:.2f}" for key, _ in ROWS if key in r)
                               for r in results[system])
         lines.append(f"- {results[system][0]['version'] if results[system] else system}: {runs_text}")
     for system, why in failures.items():
@@ -385,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     work, shapes = build_work(AutoTokenizer.from_pretrained(folder), sizes)
     spec = {"threads": args.threads, "context_tokens": context_tokens(work), "hf_folder": str(folder),
-            "gguf_q4": str(bundled_model_path()), "work": work}
+            "gguf_q4": str(bundled_model_path()), "work": work, "workloads": args.workloads}
     if "llamacpp-bf16" in args.systems:
         spec["gguf_bf16"] = str(bf16_gguf(folder, args.llama_cpp_src))
     results: dict[str, list[dict[str, Any]]] = {system: [] for system in args.systems}

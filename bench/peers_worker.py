@@ -62,6 +62,10 @@ class Adapter(Protocol):
     def generate(self, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
                  n: int = 1, seed: int = 0) -> list[Completion]: ...
 
+    def generate_json(self, prompts: list[list[int]], schema: dict[str, Any], max_tokens: int) -> list[Completion]:
+        """Greedy, each output held to `schema` by the system's own structured-output path."""
+        ...
+
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
@@ -78,6 +82,13 @@ class RadixrtAdapter:
     def generate(self, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
                  n: int = 1, seed: int = 0) -> list[Completion]:
         params = {"max_new_tokens": new_tokens, "temperature": temperature, "ignore_eos": True, "n": n, "seed": seed}
+        results = self.runtime.generate(input_ids=prompts, sampling_params=params)
+        assert isinstance(results, list)
+        return [Completion(r["output_ids"], r["meta_info"]["prompt_tokens"], r["meta_info"]["cached_tokens"])
+                for r in results]
+
+    def generate_json(self, prompts: list[list[int]], schema: dict[str, Any], max_tokens: int) -> list[Completion]:
+        params = {"max_new_tokens": max_tokens, "temperature": 0, "json_schema": schema}
         results = self.runtime.generate(input_ids=prompts, sampling_params=params)
         assert isinstance(results, list)
         return [Completion(r["output_ids"], r["meta_info"]["prompt_tokens"], r["meta_info"]["cached_tokens"])
@@ -102,6 +113,7 @@ class LlamaCppAdapter:
 
     def __init__(self, llama_cpp: ModuleType, spec: dict[str, Any], gguf_path: str):
         threads = spec["threads"]
+        self.llama_cpp = llama_cpp
         self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=spec["context_tokens"], n_threads=threads,
                                    n_threads_batch=threads, seed=0, verbose=False)
         self.version = f"llama-cpp-python {llama_cpp.__version__} ({Path(gguf_path).name})"
@@ -121,6 +133,19 @@ class LlamaCppAdapter:
                     if len(output) == new_tokens:
                         break
                 completions.append(Completion(output, len(prompt), reused))
+        return completions
+
+    def generate_json(self, prompts: list[list[int]], schema: dict[str, Any], max_tokens: int) -> list[Completion]:
+        grammar = self.llama_cpp.LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+        completions = []
+        for prompt in prompts:
+            reused = self._reused(prompt)
+            output: list[int] = []
+            for token in self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, grammar=grammar):
+                if token == self.llm.token_eos() or len(output) == max_tokens:
+                    break
+                output.append(token)
+            completions.append(Completion(output, len(prompt), reused))
         return completions
 
     def _reused(self, prompt: list[int]) -> int:
@@ -162,6 +187,18 @@ class VllmAdapter:
         return [Completion(list(sample.token_ids), len(out.prompt_token_ids), out.num_cached_tokens)
                 for out in outputs for sample in out.outputs]
 
+    def generate_json(self, prompts: list[list[int]], schema: dict[str, Any], max_tokens: int) -> list[Completion]:
+        """vLLM's structured outputs with its default backend."""
+        sampling = self.vllm.sampling_params
+        if hasattr(sampling, "StructuredOutputsParams"):
+            constraint = {"structured_outputs": sampling.StructuredOutputsParams(json=schema)}
+        else:
+            constraint = {"guided_decoding": sampling.GuidedDecodingParams(json=schema)}
+        params = self.vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, **constraint)
+        outputs = self.llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+        return [Completion(list(out.outputs[0].token_ids), len(out.prompt_token_ids), out.num_cached_tokens)
+                for out in outputs]
+
     def flush(self) -> None:
         self.llm.reset_prefix_cache()
 
@@ -189,25 +226,33 @@ def timed(system: Adapter, prompts: list[list[int]], new_tokens: int, **sampling
     return seconds, completions
 
 
-def run_workloads(system: Adapter, work: dict[str, Any]) -> dict[str, float]:
-    """Seconds of each timed workload; every workload starts from an empty prefix cache."""
+def run_workloads(system: Adapter, work: dict[str, Any], workloads: list[str]) -> dict[str, float]:
+    """Seconds of each timed workload named in `workloads`; each starts from an empty prefix cache."""
     result: dict[str, float] = {}
-    table = work["table"]
-    system.flush()
-    result["table_cold_s"], _ = timed(system, [table["cold"]], table["new_tokens"])
-    result["table_hit_s"], _ = timed(system, [table["hit"]], table["new_tokens"])
+    if "table" in workloads:
+        table = work["table"]
+        system.flush()
+        result["table_cold_s"], _ = timed(system, [table["cold"]], table["new_tokens"])
+        result["table_hit_s"], _ = timed(system, [table["hit"]], table["new_tokens"])
+    if "few_shot" in workloads:
+        few_shot = work["few_shot"]
+        system.flush()
+        system.generate([few_shot["prefix"]], 1)  # the prefix is warm, as in a running service
+        result["few_shot_s"], _ = timed(system, few_shot["prompts"], few_shot["new_tokens"])
+    if "fork" in workloads:
+        fork = work["fork"]
+        system.flush()
+        result["fork_s"], _ = timed(system, [fork["prompt"]], fork["new_tokens"], temperature=fork["temperature"],
+                                    n=fork["n"], seed=1)
+    if "chat" in workloads:
+        result.update(_chat(system, work["chat"]))
+    if "structured" in workloads:
+        result.update(_structured(system, work["structured"]))
+    return result
 
-    few_shot = work["few_shot"]
-    system.flush()
-    system.generate([few_shot["prefix"]], 1)  # the prefix is warm, as in a running service
-    result["few_shot_s"], _ = timed(system, few_shot["prompts"], few_shot["new_tokens"])
 
-    fork = work["fork"]
-    system.flush()
-    result["fork_s"], _ = timed(system, [fork["prompt"]], fork["new_tokens"], temperature=fork["temperature"],
-                                n=fork["n"], seed=1)
-
-    chat = work["chat"]
+def _chat(system: Adapter, chat: dict[str, Any]) -> dict[str, float]:
+    result: dict[str, float] = {}
     system.flush()
     conversations = [list(first) for first in chat["first"]]
     result["chat_s"] = result["chat_prompt_tokens"] = result["chat_reused_tokens"] = 0.0
@@ -228,6 +273,18 @@ def run_workloads(system: Adapter, work: dict[str, Any]) -> dict[str, float]:
     return result
 
 
+def _structured(system: Adapter, structured: dict[str, Any]) -> dict[str, float]:
+    result: dict[str, float] = {}
+    system.flush()
+    system.generate(structured["prompts"][:1], 1)  # the chat template's common prefix is warm
+    start = time.perf_counter()
+    records = system.generate_json(structured["prompts"], structured["schema"], structured["new_tokens"])
+    result["structured_s"] = time.perf_counter() - start
+    result["structured_tokens"] = sum(len(r.output_ids) for r in records)
+    result["structured_complete"] = sum(len(r.output_ids) < structured["new_tokens"] for r in records)
+    return result
+
+
 def main(argv: list[str]) -> int:
     name, spec_path, out_path = argv
     spec = json.loads(Path(spec_path).read_text())
@@ -245,7 +302,7 @@ def main(argv: list[str]) -> int:
         for prompts in spec["work"]["warmup"]:  # untimed: first-call costs (allocations, kernel choice) go here
             system.generate(prompts, 4)
             system.generate(prompts[:1], 4, temperature=0.7, n=2)
-        result = {"startup_s": startup_s, **run_workloads(system, spec["work"])}
+        result = {"startup_s": startup_s, **run_workloads(system, spec["work"], spec["workloads"])}
     finally:
         system.close()
     Path(out_path).write_text(json.dumps({"system": name, "version": system.version, **result}))

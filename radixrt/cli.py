@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop at this string (repeat for several)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    constraint = gen.add_argument_group("output constraint (at most one; docs/structured.md)")
+    only_one = constraint.add_mutually_exclusive_group()
+    only_one.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    only_one.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under the JSON Schema in FILE")
+    only_one.add_argument("--ebnf", metavar="FILE", help="the output is derived from the EBNF grammar in FILE")
     _add_global_options(gen, with_defaults=False)
 
     demo = commands.add_parser("demo", help="the table example: a long shared prefix hit by a second question")
@@ -114,6 +119,9 @@ def _add_global_options(parser: argparse.ArgumentParser, with_defaults: bool) ->
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=default("auto"),
                        help="outputs bitwise independent of batching, chunking, memory pressure and the cache "
                        "(docs/determinism.md); default: on where radixrt's CPU kernels serve the model")
+    group.add_argument("--jump-forward", action=argparse.BooleanOptionalAction, default=default(True),
+                       help="compute the text an output constraint forces as one step's draft (default: on; "
+                       "outputs are the same either way, docs/structured.md)")
     group.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=default(None),
                        help="default: info for demo and serve (loading phases, a status line while busy), else warning")
 
@@ -133,6 +141,8 @@ def _add_serve_parser(commands: Any) -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=_int_at_least(0), default=1024,
                        help="beyond running + this, a 503")
     serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    serve.add_argument("--tool-call-parser", choices=["hermes", "qwen25", "llama3_json"],
+                       help="the syntax of the model's tool calls (default: read from its chat template)")
     serve.add_argument("--max-running-requests", type=_int_at_least(1), help="the most requests decoding at once")
     serve.add_argument("--chunked-prefill-size", type=_int_at_least(1),
                        help="the most prompt tokens of one request per step")
@@ -177,14 +187,35 @@ def _sampling_params(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     given = {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
-        "ignore_eos": args.ignore_eos,
+        "ignore_eos": args.ignore_eos, "regex": args.regex,
+        "json_schema": _read_option_file(parser, "--json-schema", args.json_schema),
+        "ebnf": _read_option_file(parser, "--ebnf", args.ebnf),
     }
+    files = {"json_schema": args.json_schema, "ebnf": args.ebnf}
     for name, value in given.items():
         try:
             SamplingParams(**{name: value})
         except ValueError as error:
-            parser.error(f"argument --{name.replace('_', '-')}: {error}")
-    return SamplingParams(**given)
+            where = f"{files[name]}: " if files.get(name) else ""
+            parser.error(f"argument --{name.replace('_', '-')}: {where}{error}")
+    try:
+        return SamplingParams(**given)
+    except ValueError as error:  # alone each was fine: a combination (a constraint with 0 tokens)
+        parser.error(str(error))
+
+
+def _read_option_file(parser: argparse.ArgumentParser, option: str, path: str | None) -> str | None:
+    """The text of the file an option names (None when not given); an unreadable file is a usage error.
+
+    A JSON Schema file that is not JSON fails here too (SamplingParams parses it), before a model loads.
+    """
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"argument {option}: cannot read {path}: {error}")
 
 
 def _configure_logging(level: str) -> None:
@@ -236,6 +267,7 @@ def _runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device, "dtype": args.dtype, "weights": args.weights,
         "attention_backend": args.attention_backend, "page_size": args.page_size,
         "disable_radix_cache": args.disable_radix_cache, "deterministic": args.deterministic,
+        "jump_forward": args.jump_forward,
     }
     if args.max_total_tokens is not None:
         options["max_total_tokens"] = args.max_total_tokens
@@ -282,6 +314,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         cache_isolation=args.cache_isolation,
         max_queued_requests=args.max_queued_requests,
         served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser,
     )
     try:
         if args.replicas > 1 or args.ray_address:

@@ -60,6 +60,11 @@ class RuntimeConfig:
         step; streamed tokens arrive that many at a time. A request (or an
         abort) posted meanwhile ends the run after its current step, so it
         waits no longer than it would step by step. 1 turns runs off.
+    jump_forward: where a request's output constraint allows only one text
+        next (a JSON key, a fixed separator), compute that text's tokens in one
+        step as a draft the sampler checks token by token, instead of a step
+        per token (docs/structured.md). The outputs are those of token-by-token
+        constrained decoding; False turns it off.
 
     Tuning (the defaults were measured on the CPU path; see docs/design.md):
     new_token_reserve_clip: a request's remaining max_new_tokens count at most
@@ -102,6 +107,7 @@ class RuntimeConfig:
     check_invariants: bool = False
     decode_steps: int = 8
     deterministic: bool | str = "auto"
+    jump_forward: bool = True
     new_token_reserve_clip: int = 4096
     lpm_queue_limit: int = 128
     in_batch_share_min_tokens: int = 32
@@ -128,6 +134,8 @@ class RuntimeConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
         if not 0.0 <= self.new_token_reserve_ratio <= 1.0:
             raise ValueError(f"new_token_reserve_ratio must be in [0, 1], got {self.new_token_reserve_ratio!r}")
+        if not isinstance(self.jump_forward, bool):
+            raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
         if not (isinstance(self.deterministic, bool) or self.deterministic == "auto"):
             raise ValueError(f"deterministic must be True, False or 'auto', got {self.deterministic!r}")
         if self.weights not in WEIGHTS:

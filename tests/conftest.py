@@ -7,6 +7,8 @@ Fixtures (all CPU, fp32 unless said otherwise):
     tiny_llama_dir       session  Path of a Hugging Face folder: 2-layer GQA Llama with
                                   random weights (config.json, model.safetensors, tokenizer)
     tiny_llama           session  radixrt LoadedModel of tiny_llama_dir
+    tiny_tools_dir       session  tiny_llama_dir's weights with a Qwen 2.5-like chat template that
+                                  renders tools and teaches <tool_call>{json}</tool_call> (TOOLS_TEMPLATE)
     tiny_llama_hf        session  the same weights as a transformers LlamaForCausalLM
     make_tiny_hf_model   function factory: (**LlamaConfig/Qwen2Config/MistralConfig/Qwen3Config
                                   kwargs, architecture="llama"|"qwen2"|"mistral"|"qwen3", seed=0) ->
@@ -163,6 +165,35 @@ def tiny_llama_dir(
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+# Qwen 2.5's tool format in few words (the tiny model's context is 1024 tokens): tools as JSON lines in
+# the system turn, calls as <tool_call>{"name", "arguments"}</tool_call>, results as <tool_response>.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
+    "\nCall one as <tool_call>\n{\"name\": <name>, \"arguments\": <object>}\n</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{%- if message.content %}{{ '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}\n<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response id={{ message.tool_call_id }}>\n"
+    "{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    import shutil
+
+    folder = tmp_path_factory.mktemp("tiny-tools") / "model"
+    shutil.copytree(tiny_llama_dir, folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(folder)
     return folder
 
 

@@ -265,6 +265,11 @@ class RunSpy:
 
 
 REQUESTS = [
+    # SGLang's parameters (issue 38): min_new_tokens masks stop tokens inside runs too; stop_regex is
+    # judged on the text like stop strings; logit_bias and token_ids_logprob keep a batch out of runs.
+    ("the quick brown fox", {"temperature": 0.7, "seed": 8, "max_new_tokens": 30, "min_new_tokens": 12,
+                             "stop_token_ids": [100, 200, 300], "return_logprob": True}),
+    ("a story about", {"temperature": 0, "max_new_tokens": 30, "stop_regex": [r"\bth\w", "ing"], "no_stop_trim": True}),
     ("the quick brown fox", {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}),
     ("the quick brown fox", {"temperature": 0.9, "top_p": 0.8, "seed": 3, "max_new_tokens": 25}),
     ("a story about", {"temperature": 1.2, "top_k": 7, "min_p": 0.05, "seed": 4, "max_new_tokens": 2}),
@@ -380,3 +385,19 @@ def test_a_post_during_a_run_ends_it_after_its_step_and_changes_nothing(loaded, 
         got = asyncio.run(all_together())
     assert runs[0] == 1 and len(runs) > 1 and max(runs) > 1
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+
+
+def test_logit_bias_and_asked_token_logprobs_take_single_steps(loaded, monkeypatch):
+    """A batch with a logit bias or token_ids_logprob decodes step by step (Sampler.sample adds
+    them), with the outputs of a batch of its own."""
+    biased = ("once upon a time", {"temperature": 0.9, "seed": 9, "max_new_tokens": 12, "logit_bias": {"5": 3.0},
+                                   "token_ids_logprob": [4, 7], "return_logprob": True})
+    alone = serve(loaded, [biased], decode_steps=1)[0]
+    spy = RunSpy(monkeypatch)
+    other = ("the quick brown fox", {"temperature": 0, "max_new_tokens": 12, "logit_bias": {"9": -2.0},
+                                     "ignore_eos": True})
+    together = serve(loaded, [biased, other], decode_steps=8)[0]
+    assert spy.runs == 0
+    assert together["output_ids"] == alone["output_ids"]
+    assert together["meta_info"]["output_token_ids_logprobs"] == alone["meta_info"]["output_token_ids_logprobs"]
+    assert [[e[1] for e in step] for step in alone["meta_info"]["output_token_ids_logprobs"]] == [[4, 7]] * 12

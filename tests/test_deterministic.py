@@ -303,15 +303,21 @@ def jobs(draw: Any) -> list[Job]:
         for _ in range(draw(st.integers(1, 3))):
             own = [rng.randrange(3, TINY_VOCAB) for _ in range(draw(st.integers(1, 30)))]
             temperature = draw(st.sampled_from([0.0, 0.9]))
-            params = {"max_new_tokens": draw(st.integers(1, 12)), "temperature": temperature, "ignore_eos": True,
-                      "return_logprob": True, "seed": rng.randrange(2**31), "n": draw(st.sampled_from([1, 1, 2]))}
+            max_new_tokens = draw(st.integers(1, 12))
+            params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True,
+                      "return_logprob": True, "seed": rng.randrange(2**31), "n": draw(st.sampled_from([1, 1, 2])),
+                      # SGLang's parameters (issue 38): each row alone, so batch-invariant too.
+                      "min_new_tokens": min(draw(st.sampled_from([0, 0, 4])), max_new_tokens),
+                      "logit_bias": draw(st.sampled_from([None, None, {"5": 2.5, "9": -1.0}])),
+                      "top_logprobs_num": draw(st.sampled_from([0, 0, 3])),
+                      "token_ids_logprob": draw(st.sampled_from([None, None, [4, 7]]))}
             logprob_start = draw(st.sampled_from([None, None, 0, len(shared)]))
             result.append(Job(shared + own, params, logprob_start))
     return result
 
 
 def outputs(loaded: LoadedModel, jobs: list[Job], options: dict[str, Any], submit: str,
-            deterministic: bool = True) -> list[tuple[list[int], list, list | None]]:
+            deterministic: bool = True) -> list[tuple[list[int], list, dict]]:
     """(output ids, output log-probs, prompt log-probs) of every sample, in job order."""
     order = list(range(len(jobs)))
     if submit == "shuffled":
@@ -335,7 +341,8 @@ def outputs(loaded: LoadedModel, jobs: list[Job], options: dict[str, Any], submi
             else:
                 answers = asyncio.run(submit_all())
             results = {i: answer if isinstance(answer, list) else [answer] for i, answer in zip(order, answers)}
-    return [(out["output_ids"], out["meta_info"]["output_token_logprobs"], out["meta_info"].get("input_token_logprobs"))
+    return [(out["output_ids"], out["meta_info"]["output_token_logprobs"],
+             {k: v for k, v in out["meta_info"].items() if "logprobs" in k and k != "output_token_logprobs"})
             for i in range(len(jobs)) for out in results[i]]
 
 

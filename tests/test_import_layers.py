@@ -18,7 +18,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "radixrt"
 LAYERS: list[tuple[str, ...]] = [
     ("radixrt.tree", "radixrt.memory", "radixrt.sampling", "radixrt.sampling.params", "radixrt.paths"),
     ("radixrt.kernels",),
-    ("radixrt.model", "radixrt.sampling.sampler", "radixrt.config"),
+    ("radixrt.model", "radixrt.sampling.sampler", "radixrt.sampling.grammar", "radixrt.config"),
     ("radixrt.engine",),
     ("radixrt.runtime",),
     ("radixrt.lang", "radixrt.server"),

@@ -410,3 +410,21 @@ def test_bad_state_use_names_the_mistake(rt):
         function(lambda s: s.__iadd__(gen("a"))).run(runtime=rt)
     with pytest.raises(ValueError, match="select.*nothing to condition on"):
         function(lambda s: s.__iadd__(select("a", ["x"]))).run(runtime=rt)
+
+
+def test_gen_takes_sglangs_min_tokens_stop_regex_and_logprob_fields(rt):
+    import radixrt
+
+    @radixrt.function
+    def program(s):
+        s += "Once upon a time"
+        s += radixrt.gen("story", max_tokens=12, min_tokens=10, temperature=0, ignore_eos=True, return_logprob=True,
+                         top_logprobs_num=2, return_text_in_logprobs=True)
+
+    state = program.run(runtime=rt)
+    meta = state.get_meta_info("story")
+    assert meta["completion_tokens"] >= 10
+    assert all(len(entry) == 3 and isinstance(entry[2], str) for entry in meta["output_token_logprobs"])
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    with pytest.raises(ValueError, match=r"gen\('x'\): stop_regex"):
+        radixrt.gen("x", stop_regex="(")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
 import threading
 
 import pytest
@@ -188,15 +189,35 @@ def test_prompt_logprobs_and_output_logprobs(rt, tiny_llama_hf):
     import torch
 
     prompt = ids(12, seed=9)
-    out = rt.generate(prompt, {**GREEDY, "max_new_tokens": 0}, logprob_start_len=4)
+    # SGLang's shape: entries [logprob, token_id, text] for prompt[3:], the first logprob None.
+    out = rt.generate(prompt, {**GREEDY, "max_new_tokens": 0}, logprob_start_len=3, top_logprobs_num=3,
+                      token_ids_logprob=[5, 6])
     with torch.inference_mode():
         logits = tiny_llama_hf(torch.tensor([prompt])).logits[0].float()
-    reference = torch.log_softmax(logits, -1)[torch.arange(3, 11), torch.tensor(prompt[4:12])]
-    got = torch.tensor(out["meta_info"]["input_token_logprobs"])
-    assert out["output_ids"] == [] and got.shape == reference.shape
-    assert torch.allclose(got, reference, atol=1e-4)
-    sampled = rt.generate(prompt, {**GREEDY, "return_logprob": True})
-    assert len(sampled["meta_info"]["output_token_logprobs"]) == 6
+    table = torch.log_softmax(logits, -1)
+    reference = table[torch.arange(3, 11), torch.tensor(prompt[4:12])]
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert out["output_ids"] == [] and [e[1] for e in entries] == prompt[3:]
+    assert entries[0][0] is None and all(e[2] is None for e in entries)
+    assert torch.allclose(torch.tensor([e[0] for e in entries[1:]]), reference, atol=1e-4)
+    tops = out["meta_info"]["input_top_logprobs"]
+    assert tops[0] is None and len(tops) == len(entries)
+    for position, top in enumerate(tops[1:], start=3):
+        assert [t[1] for t in top] == table[position].topk(3).indices.tolist()
+        assert top[0][0] >= top[1][0] >= top[2][0]
+    asked = out["meta_info"]["input_token_ids_logprobs"]
+    assert asked[0] is None and [t[1] for t in asked[1]] == [5, 6]
+    assert asked[1][0][0] == pytest.approx(table[3, 5].item(), abs=1e-4)
+    assert out["meta_info"]["output_token_logprobs"] == []
+    sampled = rt.generate(prompt, {**GREEDY, "return_logprob": True}, return_text_in_logprobs=True)
+    outputs = sampled["meta_info"]["output_token_logprobs"]
+    assert len(outputs) == 6 and [e[1] for e in outputs] == sampled["output_ids"]
+    assert all(isinstance(e[2], str) for e in outputs) and sampled["meta_info"]["input_token_logprobs"] == []
+    assert "input_token_logprobs" not in rt.generate(prompt, GREEDY)["meta_info"], "asked for nothing"
+    with pytest.raises(ValueError, match=r"logprob_start_len must be -1 .* \[0, 12\]"):
+        rt.generate(prompt, GREEDY, logprob_start_len=13)
+    with pytest.raises(ValueError, match=r"top_logprobs_num must be in \[0, 20\]"):
+        rt.generate(prompt, GREEDY, top_logprobs_num=21)
 
 
 def test_flush_cache_empties_the_tree(rt):
@@ -342,3 +363,96 @@ def test_runner_sets_threads_per_step_and_restores_them(tiny_llama_dir):
     assert all(threads == 1 for tokens, threads in seen if tokens <= 4)
     assert all(threads == before for tokens, threads in seen if tokens > 4)
     assert any(tokens > 4 for tokens, _ in seen) and any(tokens <= 4 for tokens, _ in seen)
+
+
+# --- SGLang's sampling parameters (issue 38) ---------------------------------------------------
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_min_new_tokens_masks_stop_tokens_until_reached(tiny_llama_dir, decode_steps):
+    with Runtime(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=4096, check_invariants=True,
+                 decode_steps=decode_steps) as runtime:
+        prompt = ids(10, seed=4)
+        free = runtime.generate(prompt, {**GREEDY, "max_new_tokens": 12})["output_ids"]
+        first = free[0]  # greedy's first token, made a stop token
+        out = runtime.generate(prompt, {**GREEDY, "max_new_tokens": 12, "stop_token_ids": [first],
+                                        "min_new_tokens": 5, "return_logprob": True})
+        assert len(out["output_ids"]) >= 5 and first not in out["output_ids"][:5]
+        assert out["output_ids"][0] != first
+        without = runtime.generate(prompt, {**GREEDY, "max_new_tokens": 12, "stop_token_ids": [first]})
+        assert without["output_ids"] == [first] and without["meta_info"]["finish_reason"] == {"type": "stop",
+                                                                                           "matched": first}
+
+
+def test_logit_bias_moves_greedy_to_the_biased_token(rt):
+    prompt = ids(8, seed=5)
+    out = rt.generate(prompt, {**GREEDY, "logit_bias": {"42": 100}})
+    assert out["output_ids"] == [42] * 6
+    banned = rt.generate(prompt, GREEDY)["output_ids"][0]
+    assert rt.generate(prompt, {**GREEDY, "logit_bias": {banned: -100}})["output_ids"][0] != banned
+
+
+def test_stop_regex_and_no_stop_trim(rt):
+    prompt = ids(8, seed=6)
+    free = rt.generate(prompt, {**GREEDY, "max_new_tokens": 16})["text"]
+    assert len(free) > 4, free
+    pattern = re.escape(free[2:4])
+    cut = rt.generate(prompt, {**GREEDY, "max_new_tokens": 16, "stop_regex": pattern})
+    start = re.search(pattern, free).start()
+    assert cut["text"] == free[:start] and cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    kept = rt.generate(prompt, {**GREEDY, "max_new_tokens": 16, "stop_regex": [pattern], "no_stop_trim": True})
+    assert kept["text"] == free[: re.search(pattern, free).end()]
+    stop = free[2:4]
+    assert rt.generate(prompt, {**GREEDY, "max_new_tokens": 16, "stop": stop, "no_stop_trim": True})["text"] == \
+        free[: free.index(stop) + len(stop)]
+    token = rt.generate(prompt, GREEDY)["output_ids"][1]
+    trimmed = rt.generate(prompt, {**GREEDY, "stop_token_ids": [token]})
+    untrimmed = rt.generate(prompt, {**GREEDY, "stop_token_ids": [token], "no_stop_trim": True})
+    assert untrimmed["text"] == trimmed["text"] + rt.tokenizer.decode([token])
+
+
+def test_sampling_seed_is_seed(rt):
+    sampled = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    prompt = ids(6, seed=7)
+    assert rt.generate(prompt, {**sampled, "sampling_seed": 11})["output_ids"] == \
+        rt.generate(prompt, {**sampled, "seed": 11})["output_ids"]
+    with pytest.raises(ValueError, match="sampling_seed"):
+        rt.generate(prompt, {**sampled, "seed": 1, "sampling_seed": 2})
+
+
+def test_per_prompt_sampling_params_and_logprob_fields(rt):
+    prompts = [ids(6, seed=1), ids(7, seed=2)]
+    out = rt.generate(input_ids=prompts, sampling_params=[{**GREEDY, "max_new_tokens": 2}, GREEDY],
+                      return_logprob=[False, True], logprob_start_len=[-1, 2], top_logprobs_num=[0, 2])
+    assert [len(r["output_ids"]) for r in out] == [2, 6]
+    assert "output_token_logprobs" not in out[0]["meta_info"]
+    assert len(out[1]["meta_info"]["input_token_logprobs"]) == 5 and len(out[1]["meta_info"]["input_top_logprobs"]) == 5
+    with pytest.raises(ValueError, match=r"logprob_start_len: a list gives one value per prompt"):
+        rt.generate(input_ids=prompts, sampling_params=GREEDY, logprob_start_len=[1])
+
+
+@pytest.mark.parametrize(
+    ("params", "words"),
+    [
+        ({"logit_bias": {"x": 1}}, r"logit_bias: keys must be token ids"),
+        ({"logit_bias": {"3": 101}}, r"logit_bias: values must be in \[-100, 100\]"),
+        ({"logit_bias": {"100000": 1}}, r"logit_bias: keys must be in \[0, "),
+        ({"stop_regex": "(unclosed"}, r"stop_regex: '\(unclosed' is not a valid Python regular expression"),
+        ({"stop_regex": "a*"}, r"stop_regex: 'a\*' matches the empty text"),
+        ({"min_new_tokens": 9}, r"min_new_tokens must be <= max_new_tokens \(6\)"),
+        ({"custom_params": {"x": 1}}, r"custom_params: radixrt runs no custom logit processor"),
+        ({"top_logprobs_num": 21}, r"top_logprobs_num must be in \[0, 20\]"),
+    ],
+)
+def test_bad_sglang_parameters_name_the_field(rt, params, words):
+    with pytest.raises(ValueError, match=words):
+        rt.generate(ids(4), {**GREEDY, **params})
+
+
+def test_an_unknown_chat_role_is_a_value_error(rt):
+    with pytest.raises(ValueError, match=r"messages\[1\].role must be one of system, user, assistant, tool"):
+        rt.generate(messages=[{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}])
+
+
+def test_min_new_tokens_yields_to_a_complete_grammar(rt):
+    """A grammar that allows only EOS wins over min_new_tokens: the output is complete."""
+    out = rt.generate("Answer:", {"max_new_tokens": 8, "temperature": 0, "regex": "(yes|no)", "min_new_tokens": 6})
+    assert out["text"] in ("yes", "no") and out["meta_info"]["finish_reason"]["type"] == "stop"

@@ -23,9 +23,9 @@ def request(tokens: list[int], max_new_tokens: int = 4) -> Request:
     return Request(list(tokens), SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
 
 
-def sevens(batch: ScheduledBatch) -> list[NextToken | None]:
+def sevens(batch: ScheduledBatch) -> list[list[NextToken]]:
     """Token 7 for every request that completes its pending tokens in this step."""
-    return [NextToken(7, 0.0) if r.num_computed + num == r.fill_len else None for r, num in batch.items]
+    return [[NextToken(7, 0.0)] if r.num_computed + num == r.fill_len else [] for r, num in batch.items]
 
 
 def fake_step(scheduler: Scheduler) -> list[tuple[Request, int]]:

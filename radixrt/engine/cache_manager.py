@@ -191,7 +191,7 @@ class NoPrefixCache(CacheManager):
 
     def admit(self, req: Request) -> None:
         req.slots, req.cached_len, req.last_node, req.num_computed = EMPTY_SLOTS, 0, None, 0
-        req.prompt_logprobs.clear()
+        req.clear_prompt_logprobs()
         if req.cached_tokens is None:
             req.cached_tokens = 0
 

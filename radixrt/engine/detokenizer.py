@@ -204,10 +204,11 @@ class StopStringMatcher:
     any number of chunks.
     """
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], keep_stop: bool = False):
         if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stops must be a sequence of non-empty strings, got {stops!r}")
         self._stops = tuple(stops)
+        self._keep_stop = keep_stop  # no_stop_trim: the matched stop string stays in the text
         self._prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
         self._longest_prefix = max((len(s) - 1 for s in self._stops), default=0)
         self._streamed: list[str] = []
@@ -229,10 +230,34 @@ class StopStringMatcher:
         start, matched = self._first_stop(pending)
         if matched is not None:
             self.matched, self._pending = matched, ""
-            return self._release(pending[:start])
+            return self._release(pending[: start + len(matched) if self._keep_stop else start])
         hold = self._held_length(pending)
         self._pending = pending[len(pending) - hold :]
         return self._release(pending[: len(pending) - hold])
+
+    def feed_unmatched(self, text: str) -> str:
+        """Add text that no stop may match in (before min_new_tokens); release it with what was held."""
+        if self.matched is not None:
+            return ""
+        pending, self._pending = self._pending + text, ""
+        return self._release(pending)
+
+    @property
+    def seen(self) -> str:
+        """Everything fed so far and not cut: the released text and the held-back tail."""
+        return self.text + self._pending
+
+    def cut(self, end: int, matched: str) -> str:
+        """End the text at `end` in `seen` (a stop found outside this matcher, e.g. a stop_regex):
+        release what lies before it; text already released past `end` is dropped from `text`
+        (the stream has sent it, the final text does not have it)."""
+        released = self.text
+        self.matched = matched
+        tail, self._pending = self.seen[len(released) : max(end, len(released))], ""
+        if end < len(released):
+            self._streamed = [released[:end]]
+            return ""
+        return self._release(tail)
 
     def flush(self) -> str:
         """Release the held-back tail: no more text will come, so it cannot become a stop."""

@@ -23,12 +23,13 @@ import torch
 
 from radixrt.config import RuntimeConfig
 from radixrt.engine.cache_manager import CacheManager
-from radixrt.engine.logits import LogitPlan
+from radixrt.engine.logits import LogitPlan, fill_row_mask, needs_mask
 from radixrt.engine.request import Request, stop_token_ids
 from radixrt.engine.scheduler import ScheduledBatch, Scheduler
 from radixrt.kernels import cpu
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.runner import ModelRunner
+from radixrt.sampling.grammar import new_bitmask
 from radixrt.sampling.sampler import Sampler, run_sampling
 
 logger = logging.getLogger("radixrt.engine")
@@ -47,9 +48,12 @@ class Engine:
         # Set from any thread by `interrupt_run`: a decode run stops after its current step.
         self._interrupt = ctypes.c_int32(0)
         self.num_steps = 0
+        self.num_decode_runs = 0
         self.num_computed_tokens = 0  # tokens the model actually ran, all requests together
         self.num_generated_tokens = 0
         self.num_retracted = 0
+        self.num_draft_tokens = 0  # jump-forward tokens computed as drafts, and those the sampler confirmed
+        self.num_confirmed_draft_tokens = 0
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
 
@@ -86,6 +90,8 @@ class Engine:
             "computed_tokens": self.num_computed_tokens,
             "generated_tokens": self.num_generated_tokens,
             "retracted_requests": self.num_retracted,
+            "draft_tokens": self.num_draft_tokens,
+            "confirmed_draft_tokens": self.num_confirmed_draft_tokens,
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
         }
@@ -128,8 +134,10 @@ class Engine:
         # The sampler's C passes (row stats, draws) split rows over every core, as the step did:
         # from 4 rows on that beats one thread (32 rows: 273 -> 151 us, warm)
         with cpu.kernel_threads(self._kernel_threads):
-            next_tokens = plan.sample(logits, self.sampler)
-        self.num_generated_tokens += sum(token is not None for token in next_tokens)
+            next_tokens = plan.sample(logits, self.sampler, self._vocab_size)
+        self.num_generated_tokens += sum(map(len, next_tokens))
+        self.num_draft_tokens += sum(map(len, plan.drafts))
+        self.num_confirmed_draft_tokens += sum(max(len(tokens) - 1, 0) for tokens in next_tokens)
         self.scheduler.postprocess(batch, next_tokens)
         for req, _ in batch.items:
             _report(req)
@@ -146,15 +154,22 @@ class Engine:
         """Up to `num_steps` decode steps of a steady batch in one call (`ModelRunner.decode_run`):
         the tokens, log-probabilities and K/V of as many `step`s, without the engine between them."""
         reqs = [req for req, _ in batch.items]
+        grammars = _RunGrammars.of(reqs, self._vocab_size, self.config.jump_forward)
+        masks = None if grammars is None else grammars.masks
         sampling = run_sampling(
             [r.params for r in reqs], [r.seed for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
-            [stop_token_ids(r.params, r.eos_token_ids) for r in reqs], num_steps, self._vocab_size,
+            [stop_token_ids(r.params, r.eos_token_ids) for r in reqs], num_steps, self._vocab_size, masks,
         )  # fmt: skip
-        out = self.runner.decode_run(
-            [r.fill_slice(r.num_computed, r.num_computed + 1)[0] for r in reqs], [r.num_computed for r in reqs],
-            [r.slots[: r.num_computed + num_steps] for r in reqs], sampling, num_steps, self._interrupt,
-        )  # fmt: skip
+        try:
+            out = self.runner.decode_run(
+                [r.fill_slice(r.num_computed, r.num_computed + 1)[0] for r in reqs], [r.num_computed for r in reqs],
+                [r.slots[: r.num_computed + num_steps] for r in reqs], sampling, num_steps, self._interrupt,
+            )  # fmt: skip
+        finally:
+            if grammars is not None:
+                grammars.rewind()
         self.num_steps += out.tokens.shape[0]
+        self.num_decode_runs += 1
         self.num_computed_tokens += out.tokens.numel()
         self.num_generated_tokens += self.scheduler.postprocess_run(batch, out.tokens.tolist(), out.logprobs.tolist(),
                                                                     out.top_lists())
@@ -176,6 +191,51 @@ class Engine:
             self.num_steps, len(batch.admitted), batch.num_new_tokens, sum(r.cached_len for r in batch.admitted),
             1 - pool.available / pool.num_slots, len(self.scheduler.running), len(self.scheduler.waiting),
         )
+
+
+class _RunGrammars:
+    """A decode run's `advance` call back: between two steps, each masked row (a grammar's, or one
+    short of `min_new_tokens`: `needs_mask`) takes the row's token and writes the row's next mask.
+    `rewind` then takes the grammars' tokens back, so that `Scheduler.postprocess_run` appends them
+    to the requests as single steps would. With jump-forward, the run ends at a step after which a
+    grammar forces its next text, so that the next step computes it as a draft."""
+
+    def __init__(self, rows: list[tuple[int, Request]], allowed: torch.Tensor, jump_forward: bool):
+        self._rows = [(row, req, len(req.output_ids)) for row, req in rows]
+        self._allowed = allowed
+        self._jump_forward = jump_forward
+        self._taken = 0
+        masked = torch.zeros(allowed.shape[0], dtype=torch.uint8)
+        masked[[row for row, _ in rows]] = 1
+        self.masks = cpu.RunMasks(allowed, masked, self)
+
+    @classmethod
+    def of(cls, reqs: list[Request], vocab_size: int, jump_forward: bool) -> _RunGrammars | None:
+        """The masked rows of a run, their first step's masks written; None without any."""
+        rows = [(row, req) for row, req in enumerate(reqs) if needs_mask(req, len(req.output_ids))]
+        if not rows:
+            return None
+        allowed = new_bitmask(len(reqs), vocab_size)
+        for row, req in rows:
+            fill_row_mask(req, allowed, row, len(req.output_ids))
+        return cls(rows, allowed, jump_forward)
+
+    def __call__(self, step: int, tokens: list[int]) -> bool:
+        self._taken += 1
+        end = False
+        for row, req, num_output in self._rows:
+            grammar = req.grammar
+            if grammar is not None and not grammar.accept(tokens[row]):
+                raise RuntimeError(f"token {tokens[row]} of row {row} is outside its grammar, which allowed it")
+            fill_row_mask(req, self._allowed, row, num_output + self._taken)
+            end = end or (self._jump_forward and grammar is not None and grammar.forces_text)
+        return end
+
+    def rewind(self) -> None:
+        for _, req, _ in self._rows:
+            if req.grammar is not None:
+                req.grammar.rollback(self._taken)
+        self._taken = 0
 
 
 def _report(req: Request) -> None:

@@ -73,7 +73,7 @@ class RadixCacheManager(CacheManager):
         self.tree.lock(match.last_node)
         req.slots, req.cached_len, req.last_node = match.indices, match.length, match.last_node
         req.num_computed = req.cached_len
-        req.prompt_logprobs.clear()  # scoring restarts at or before its first scored token
+        req.clear_prompt_logprobs()
         if req.cached_tokens is None:
             req.cached_tokens = req.cached_len
 

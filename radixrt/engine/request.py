@@ -24,9 +24,11 @@ Who writes which field (everyone else only reads):
     slots, cached_len, last_node, cached_tokens  CacheManager (admit, cache_computed, release)
     num_computed                                 CacheManager on admit/release; Scheduler.postprocess
                                                    as the step's tokens are computed
-    prompt_logprobs                              LogitPlan (prompt scoring), cleared on admit
+    prompt_logprobs, prompt_top_logprobs,        LogitPlan (prompt scoring), cleared on admit
+      prompt_ids_logprobs
     output_ids, output_logprobs,                 the request's own `append_token` / `finish`,
-      output_top_logprobs, finish_reason,          called by Scheduler.postprocess and abort
+      output_top_logprobs, output_ids_logprobs,    called by Scheduler.postprocess and abort
+      finish_reason,
       first_token_s, finished_s, the text
 
 The output side lives here too: `OutputText` turns sampled tokens into the
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 import time
 from array import array
 from collections.abc import Collection, Sequence
@@ -47,8 +50,10 @@ from typing import Any, Callable, Hashable, Literal
 
 import torch
 
+from radixrt.engine import logprobs as lp
 from radixrt.engine.detokenizer import StopStringMatcher, TokenDecoder, make_detokenizer
 from radixrt.sampling import SamplingParams
+from radixrt.sampling.grammar import Matcher
 
 _request_counter = itertools.count()
 
@@ -82,11 +87,17 @@ class FinishReason:
         return {"type": "abort", "message": self.message}
 
 
+def ends_at_eos(params: SamplingParams) -> bool:
+    """Whether EOS ends the request: unless `ignore_eos`, and always under an output constraint,
+    whose grammar allows EOS only once it is complete."""
+    return not params.ignore_eos or params.constraint is not None
+
+
 def stop_token_ids(params: SamplingParams, eos_token_ids: Collection[int]) -> tuple[int, ...]:
-    """The tokens that end a request as a stop: its stop tokens and, unless `ignore_eos`, EOS
+    """The tokens that end a request as a stop: its stop tokens and EOS (`ends_at_eos`)
     (listed for a decode run's C loop; `token_finish_reason` tests the same rule per token without
     building the list)."""
-    return (*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids))
+    return (*params.stop_token_ids, *(eos_token_ids if ends_at_eos(params) else ()))
 
 
 def token_finish_reason(
@@ -94,10 +105,10 @@ def token_finish_reason(
 ) -> FinishReason | None:
     """Why a request ends with this new token, judged on the token alone (stop strings need the text).
 
-    `num_output_tokens` counts the new token. A stop token, or EOS unless
-    `ignore_eos`, wins over the length limit reached by the same token.
+    `num_output_tokens` counts the new token. A stop token, or EOS where it ends the request
+    (`ends_at_eos`), wins over the length limit reached by the same token.
     """
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+    if token_id in params.stop_token_ids or (token_id in eos_token_ids and ends_at_eos(params)):
         return FinishReason.stop(token_id)
     if num_output_tokens >= params.token_limit:
         return FinishReason.at_length(params.token_limit)
@@ -128,7 +139,9 @@ class OutputText:
         self._detokenizer = (
             make_detokenizer(tokenizer, prompt_ids, params.skip_special_tokens) if tokenizer else None
         )
-        self._stops = StopStringMatcher(params.stop)
+        self._stops = StopStringMatcher(params.stop, keep_stop=params.no_stop_trim)
+        self._regexes = [re.compile(pattern) for pattern in params.stop_regex]
+        self._regex_from = 0  # where a stop_regex match may start in the text
         self._delta: list[str] = []
         self._closed = False
 
@@ -137,16 +150,38 @@ class OutputText:
         if self._closed:
             raise ValueError("append after the request finished")
         reason = token_finish_reason(self._params, token_id, num_output_tokens, self._eos_token_ids)
-        if reason is None or reason.type != "stop":  # stop tokens never reach the text
-            if self._detokenizer is not None:
-                self._delta.append(self._stops.feed(self._detokenizer.append(token_id)))
-            if self._stops.matched is not None:
-                reason = FinishReason.stop(self._stops.matched)
+        stopped_by_token = reason is not None and reason.type == "stop"
+        # A stop token reaches the text only with no_stop_trim.
+        if self._detokenizer is not None and (not stopped_by_token or self._params.no_stop_trim):
+            text = self._detokenizer.append(token_id)
+            if num_output_tokens < self._params.min_new_tokens or stopped_by_token:
+                self._delta.append(self._stops.feed_unmatched(text))
+                if self._regexes:
+                    self._regex_from = len(self._stops.seen)
+            else:
+                self._delta.append(self._stops.feed(text))
+                if self._regexes and self._stops.matched is None:
+                    self._match_regex()
+        if not stopped_by_token and self._stops.matched is not None:
+            reason = FinishReason.stop(self._stops.matched)
         if reason is not None:
             matched = self._close()
             if matched is not None:
                 reason = FinishReason.stop(matched)
         return reason
+
+    def _match_regex(self) -> None:
+        """End the text at the stop_regex match that ends first, if any (its start without
+        no_stop_trim)."""
+        seen = self._stops.seen
+        best: tuple[int, int, str] | None = None
+        for pattern in self._regexes:
+            match = pattern.search(seen, self._regex_from)
+            if match is not None and match.end() > match.start() and (best is None or match.end() < best[1]):
+                best = (match.start(), match.end(), pattern.pattern)
+        if best is not None:
+            start, end, pattern_text = best
+            self._delta.append(self._stops.cut(end if self._params.no_stop_trim else start, pattern_text))
 
     def take_delta(self, final: bool = False) -> str:
         """Text released since the last call; `final=True` first releases everything held back."""
@@ -208,8 +243,8 @@ class Request:
     rid: str = ""
     group: str = ""  # the id the caller gave to all `n` samples of a prompt; aborting it aborts them all
     namespace: Hashable = None
-    # Positions from which the prompt's own token log-probabilities are wanted
-    # (scoring); None when not wanted.
+    # SGLang's `logprob_start_len`: meta_info's input log-prob lists cover prompt[start:]
+    # (the first entry padded with None); None: no input lists (SGLang's -1).
     logprob_start_len: int | None = None
     # Called on the engine thread with each output, or with the error when the
     # engine stops before the request ends.
@@ -221,12 +256,21 @@ class Request:
     tokenizer: TokenDecoder | None = None  # None: no text, token ids only
     eos_token_ids: Collection[int] = ()
     seed: int = 0
+    # The output constraint's matcher (None: unconstrained): it has accepted exactly output_ids.
+    grammar: Matcher | None = None
+    # Jump-forward: tokens the grammar forces after output_ids, which the next decode step
+    # computes with the pending token and the sampler confirms or discards (Scheduler).
+    draft_ids: list[int] = field(default_factory=list)
 
     status: RequestStatus = RequestStatus.WAITING
     output_ids: array = field(default_factory=lambda: array("q"))
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    output_ids_logprobs: list[list[float]] = field(default_factory=list)  # per token, params.token_ids_logprob's
+    # Prompt scoring from `scored_from` on: the token's log-prob, its position's top-k and asked ids.
     prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_ids_logprobs: list[list[float]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     arrival_index: int = field(default_factory=lambda: next(_request_counter))
 
@@ -265,7 +309,10 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     def fill_slice(self, start: int, end: int) -> array:
-        """fill_ids[start:end] without building fill_ids (the per-step path)."""
+        """fill_ids[start:end] without building fill_ids (the per-step path); positions past
+        fill_ids are the draft's."""
+        if end > self.fill_len:
+            return self.fill_slice(start, self.fill_len) + array("q", self.draft_ids[: end - self.fill_len])
         num_prompt = len(self.prompt_ids)
         if end <= num_prompt:
             return self.prompt_ids[start:end]
@@ -298,13 +345,28 @@ class Request:
         the position whose logits score its first scored token.
         """
         limit = self.fill_len - 1
-        if self.logprob_start_len is not None:
-            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        if self.scored_from is not None:
+            limit = min(limit, self.scored_from - 1)
         return limit
+
+    @property
+    def scored_from(self) -> int | None:
+        """The first prompt token whose log-probability is computed (the entry for
+        prompt[logprob_start_len] is SGLang's None pad), or None when none is."""
+        if self.logprob_start_len is None or self.logprob_start_len + 1 >= len(self.prompt_ids):
+            return None
+        return self.logprob_start_len + 1
+
+    def clear_prompt_logprobs(self) -> None:
+        """Scoring restarts at or before its first scored token (on admission or readmission)."""
+        self.prompt_logprobs.clear()
+        self.prompt_top_logprobs.clear()
+        self.prompt_ids_logprobs.clear()
 
     # --- output -----------------------------------------------------------------
     def append_token(
-        self, token_id: int, logprob: float, top_logprobs: list[tuple[int, float]] | None = None
+        self, token_id: int, logprob: float, top_logprobs: list[tuple[int, float]] | None = None,
+        ids_logprobs: list[float] | None = None,
     ) -> None:
         """Add a sampled token; sets `finish_reason` when it ends the request."""
         self.output_ids.append(token_id)
@@ -313,8 +375,12 @@ class Request:
             self.output_logprobs.append(logprob)
         if self.params.top_logprobs_num:
             self.output_top_logprobs.append(top_logprobs or [])
+        if self.params.token_ids_logprob is not None:
+            self.output_ids_logprobs.append(ids_logprobs or [])
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
+        if self.grammar is not None and not self.grammar.accept(token_id):  # the mask let it through
+            raise RuntimeError(f"{self.rid}: token {token_id} is outside its grammar, which allowed it")
         reason = self._text.append(token_id, len(self.output_ids))
         if reason is not None:
             self.finish(reason)
@@ -354,9 +420,23 @@ class Request:
             "queue_time": (self.admitted_s or self.finished_s) - self.created_s,
         }
         if self.params.return_logprob:
-            meta["output_token_logprobs"] = list(self.output_logprobs)
-        if self.params.top_logprobs_num:
-            meta["output_top_logprobs"] = [list(top) for top in self.output_top_logprobs]
-        if self.logprob_start_len is not None:
-            meta["input_token_logprobs"] = list(self.prompt_logprobs)
+            self._logprob_meta(meta)
         return {"text": self._text.final_text(), "output_ids": list(self.output_ids), "meta_info": meta}
+
+    def _logprob_meta(self, meta: dict[str, Any]) -> None:
+        """SGLang's log-prob lists (`radixrt.engine.logprobs` has the shapes)."""
+        params = self.params
+        decode = lp.token_text_decoder(self.tokenizer, params.return_text_in_logprobs)
+        start = len(self.prompt_ids) if self.logprob_start_len is None else self.logprob_start_len
+        prompt = self.prompt_ids[start:].tolist()
+        pad = [None] if prompt else []
+        outputs = self.output_ids.tolist()
+        meta["input_token_logprobs"] = lp.entries([*pad, *self.prompt_logprobs], prompt, decode)
+        meta["output_token_logprobs"] = lp.entries(self.output_logprobs, outputs, decode)
+        if params.top_logprobs_num:
+            meta["input_top_logprobs"] = [*pad, *(lp.top_entries(t, decode) for t in self.prompt_top_logprobs)]
+            meta["output_top_logprobs"] = [lp.top_entries(t, decode) for t in self.output_top_logprobs]
+        if params.token_ids_logprob is not None:
+            ids = params.token_ids_logprob
+            meta["input_token_ids_logprobs"] = [*pad, *(lp.entries(v, ids, decode) for v in self.prompt_ids_logprobs)]
+            meta["output_token_ids_logprobs"] = [lp.entries(v, ids, decode) for v in self.output_ids_logprobs]

@@ -33,6 +33,10 @@ from radixrt.engine.policies import order_waiting
 from radixrt.engine.request import FinishReason, Request, RequestStatus
 
 
+# The most tokens of a jump-forward draft: a longer forced text is drafted again after them.
+MAX_DRAFT_TOKENS = 32
+
+
 @dataclass
 class ScheduledBatch:
     """Requests and how many of their pending tokens each computes this step."""
@@ -79,7 +83,7 @@ class Scheduler:
         batch = ScheduledBatch()
         decoding = [r for r in self.running if r.num_pending == 1]
         batch.retracted = self._fit_decodes(decoding)
-        batch.items = [(r, 1) for r in decoding]
+        batch.items = [(r, 1 + len(r.draft_ids)) for r in decoding]
 
         budget = self.config.max_prefill_tokens
         in_flight: list[Request] = []
@@ -122,30 +126,47 @@ class Scheduler:
             return []
         return order_waiting(self.config.schedule_policy, self.waiting, self.cache, self.config.lpm_queue_limit)
 
-    def postprocess(self, batch: ScheduledBatch, next_tokens: Sequence[NextToken | None]) -> None:
-        """Advance the step's requests: `next_tokens[i]` was sampled for `batch.items[i]` (None: not sampled).
+    def postprocess(self, batch: ScheduledBatch, next_tokens: Sequence[Sequence[NextToken]]) -> None:
+        """Advance the step's requests: `next_tokens[i]` were sampled for `batch.items[i]` (empty:
+        not sampled), the first after its last token, each later one after a draft token it
+        confirmed (`LogitPlan.sample`).
 
         A request that completed its pending tokens without a sampled token
         has nothing left to generate (max_new_tokens = 0: it only scored its
-        prompt).
+        prompt). A draft token is computed only once confirmed: the K/V of
+        the others stay in the request's private slots, unwritten as far as
+        anyone reads, and are written over by the tokens that follow.
         """
-        for (req, num), token in zip(batch.items, next_tokens):
+        for (req, num), tokens in zip(batch.items, next_tokens):
             # Only a step that computed prompt tokens has something new for others to hit; a decode
             # step's one token waits for the request's end (inserting it every step would grow the
             # tree by a one-token node per generated token).
             computed_prompt = req.num_computed < len(req.prompt_ids)
-            req.num_computed += num
+            drafted = max(req.num_computed + num - req.fill_len, 0)
+            req.num_computed += num - drafted
+            req.draft_ids = []
             if req.num_pending > 0:  # a chunk of a long prompt
                 self.cache.cache_computed(req)
                 continue
-            if token is None:
+            if not tokens:
                 req.finish(FinishReason.at_length(req.params.token_limit))
-            else:
-                req.append_token(token.token_id, token.logprob, token.top_logprobs)
+            for index, token in enumerate(tokens):
+                req.num_computed += index > 0  # the draft token this one follows was confirmed
+                req.append_token(token.token_id, token.logprob, token.top_logprobs, token.ids_logprobs)
+                if req.finish_reason is not None:
+                    break
             if req.finish_reason is not None:
                 self._finish(req)
-            elif num > 1 or computed_prompt:
+                continue
+            if num - drafted > 1 or computed_prompt:
                 self.cache.cache_computed(req)  # the prompt is computed: let others hit it now
+            self._plan_draft(req)
+
+    def _plan_draft(self, req: Request) -> None:
+        """The tokens a request's grammar forces next, for its next step to check (`jump_forward`);
+        one fewer than it may still generate, since the step picks a token after them too."""
+        if req.grammar is not None and self.config.jump_forward:
+            req.draft_ids = req.grammar.forced_tokens(min(req.remaining_new_tokens - 1, MAX_DRAFT_TOKENS))
 
     def run_length(self, batch: ScheduledBatch, max_steps: int) -> int:
         """How many decode steps `batch` runs back to back in one call (1: this step alone), with
@@ -163,7 +184,7 @@ class Scheduler:
             return 1
         if self.waiting and len(self.running) < self.config.max_running_requests:
             return 1
-        if any(num != 1 for _, num in batch.items):
+        if any(num != 1 or not r.params.decodes_in_runs for r, num in batch.items):
             return 1
         steps = min(max_steps, *(r.remaining_new_tokens for r, _ in batch.items))
         if steps < 2 or not all(self.cache.reserve(r, steps) for r, _ in batch.items):
@@ -190,6 +211,8 @@ class Scheduler:
                 if req.finish_reason is not None:
                     self._finish(req)
                     break
+            else:
+                self._plan_draft(req)
         return appended
 
     def abort(self, rid: str, message: str) -> list[Request]:
@@ -228,8 +251,14 @@ class Scheduler:
         """
         retracted: list[Request] = []
         while True:
-            need = sum(self.cache.pages_needed(r, 1) for r in decoding)
-            if self.cache.make_room(need) or len(self.running) <= 1:
+            need = sum(self.cache.pages_needed(r, 1 + len(r.draft_ids)) for r in decoding)
+            if self.cache.make_room(need):
+                break
+            if any(r.draft_ids for r in decoding):  # drafts are the first thing to give up
+                for req in decoding:
+                    req.draft_ids = []
+                continue
+            if len(self.running) <= 1:
                 break
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
             self._retract(victim)
@@ -237,7 +266,7 @@ class Scheduler:
             if victim in decoding:
                 decoding.remove(victim)
         for req in decoding:
-            if not self.cache.reserve(req, 1):
+            if not self.cache.reserve(req, 1 + len(req.draft_ids)):
                 raise RuntimeError(f"KV pool too small to decode even one request ({req.rid})")
         return retracted
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixrt.engine.logprobs import logprob_values
 from radixrt.lang.chat import ChatTemplate
 from radixrt.lang.context import ProgramContext
 from radixrt.lang.ir import Expr, Gen, RoleBlock, Select
@@ -61,7 +62,11 @@ def _gen(ctx: ProgramContext, expr: Gen) -> None:
     output_ids: list[int] = []
     meta_info: dict[str, Any] = {}
     parts: list[str] = []
-    for chunk in ctx.runtime.generate(input_ids=prompt, sampling_params=expr.params, stream=True):
+    try:  # the request is validated here, before anything runs (a constraint is compiled too)
+        chunks = ctx.runtime.generate(input_ids=prompt, sampling_params=expr.params, stream=True)
+    except ValueError as error:
+        raise ValueError(f"gen({expr.name!r}): {error}") from None
+    for chunk in chunks:
         output_ids.extend(chunk["output_ids"])
         parts.append(chunk["text"])
         ctx.show(chunk["text"], expr.name)  # visible to text_iter now; the ids follow when the gen ends
@@ -84,12 +89,15 @@ def _select(ctx: ProgramContext, expr: Select) -> None:
     for choice, ids in zip(expr.choices, choice_ids):
         if not ids:
             raise ValueError(f"select({expr.name!r}): choice {choice!r} tokenizes to nothing")
+    # SGLang's entries cover prompt[start:], the first padded with None: start one token early.
     results = ctx.runtime.generate(
         input_ids=[prefix + ids for ids in choice_ids],
         sampling_params={"max_new_tokens": 0},
-        logprob_start_len=len(prefix),
+        return_logprob=True,
+        logprob_start_len=len(prefix) - 1,
     )
-    token_logprobs = [list(r["meta_info"]["input_token_logprobs"]) for r in results]
+    token_logprobs = [[float(v) for v in logprob_values(r["meta_info"]["input_token_logprobs"])[1:] if v is not None]
+                      for r in results]  # fmt: skip
     for logprobs, ids in zip(token_logprobs, choice_ids):
         assert len(logprobs) == len(ids), "the runtime scored a different number of choice tokens"
     scores = [sum(logprobs) / len(logprobs) for logprobs in token_logprobs]

@@ -8,10 +8,23 @@ queued on the branch's worker thread).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 from radixrt.sampling import SamplingParams
+
+# What gen(dtype=...) constrains the text to (SGLang's frontend turns dtype into a regex the same
+# way, with its own patterns). The text stays the variable's value, as in SGLang: int() and
+# float() read what the int and float patterns match, bool is True or False by name, str is a
+# double-quoted string with backslash escapes. An int cut short by max_tokens is still an int.
+DTYPE_REGEX: dict[str, str] = {
+    "int": r"[-+]?[0-9]+",
+    "float": r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?",
+    "bool": r"(True|False)",
+    "str": r'"([^"\\]|\\.)*"',  # a double-quoted string; a backslash escapes the next character
+}
+_DTYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +69,9 @@ def gen(
     name: str,
     max_tokens: int | None = None,
     *,
+    min_tokens: int | None = None,
     stop: str | Sequence[str] | None = None,
+    stop_regex: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -68,27 +83,58 @@ def gen(
     seed: int | None = None,
     ignore_eos: bool | None = None,
     return_logprob: bool | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+    regex: str | None = None,
+    json_schema: str | Mapping[str, Any] | None = None,
+    ebnf: str | None = None,
+    dtype: type | str | None = None,
 ) -> Gen:
     """Generate text from the state so far and store it as `s[name]`.
 
     Parameters left as None take the runtime's defaults (docs/sampling.md):
-    max_tokens 128, temperature 1.0. Values are checked here, so a bad one
-    raises in the program's line.
+    max_tokens 128, temperature 1.0. `min_tokens` is SGLang's gen name for
+    `min_new_tokens`; log-probs come in SGLang's `meta_info` shapes
+    (`get_meta_info(name)`). Values are checked here, so a bad one
+    raises in the program's line. At most one of `regex`, `json_schema` (a
+    dict or JSON text), `ebnf` and `dtype` (int, float, bool or str, or
+    their names: a regex for that type, DTYPE_REGEX) constrains the text
+    (docs/structured.md); a pattern or schema the grammar library rejects
+    raises when the gen runs, naming the gen.
     """
     _check_name("gen", name)
+    if dtype is not None:
+        if regex is not None or json_schema is not None or ebnf is not None:
+            other = "regex" if regex is not None else "json_schema" if json_schema is not None else "ebnf"
+            raise ValueError(f"gen({name!r}): dtype and {other} both constrain the text; give one of them")
+        regex = DTYPE_REGEX[_dtype_name(name, dtype)]
+    if isinstance(json_schema, Mapping):  # as text in the caller's key order: properties are generated in it
+        try:
+            json_schema = json.dumps(json_schema)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"gen({name!r}): json_schema must be JSON-serialisable: {error}") from None
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
         raise ValueError(f"gen({name!r}): max_tokens must be an int >= 0, got {max_tokens!r}")
     given: dict[str, Any] = {
         "max_new_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "min_p": min_p, "frequency_penalty": frequency_penalty,
         "presence_penalty": presence_penalty, "repetition_penalty": repetition_penalty, "seed": seed,
-        "ignore_eos": ignore_eos, "return_logprob": return_logprob,
+        "ignore_eos": ignore_eos, "return_logprob": return_logprob, "min_new_tokens": min_tokens,
+        "stop_regex": stop_regex, "top_logprobs_num": top_logprobs_num, "return_text_in_logprobs": return_text_in_logprobs,
+        "regex": regex, "json_schema": json_schema, "ebnf": ebnf,
     }
     try:
         params = SamplingParams(**{key: value for key, value in given.items() if value is not None})
     except ValueError as error:
         raise ValueError(f"gen({name!r}): {error}") from None
     return Gen(name, params)
+
+
+def _dtype_name(name: str, dtype: Any) -> str:
+    key = _DTYPE_NAMES.get(dtype) if isinstance(dtype, type) else dtype
+    if not isinstance(key, str) or key not in DTYPE_REGEX:
+        raise ValueError(f"gen({name!r}): dtype must be int, float, bool or str (or their names), got {dtype!r}")
+    return key
 
 
 def select(name: str, choices: Sequence[str]) -> Select:

@@ -147,16 +147,19 @@ class Tokenizer:
 
     def apply_chat_template(
         self, conversation: Sequence[dict[str, Any]], tokenize: bool = True, add_generation_prompt: bool = False,
-        **kwargs: Any,
+        tools: list[dict[str, Any]] | None = None, **kwargs: Any,
     ) -> Any:
         """One conversation's text (`tokenize=False`) rendered with the model's chat template.
 
         Rendering is transformers' own function, so templates see exactly what
-        they see there (and run in its sandbox). Token ids, batches, tools,
-        documents and other options go to the transformers tokenizer.
+        they see there (and run in its sandbox), tools (JSON Schema dicts) included. Token ids,
+        batches, documents and other options go to the transformers tokenizer.
         """
         is_one_conversation = bool(conversation) and all(isinstance(m, dict) for m in conversation)
-        if tokenize or kwargs or self.chat_template is None or not is_one_conversation:
+        plain_tools = tools is None or all(isinstance(tool, dict) for tool in tools)
+        if tokenize or kwargs or self.chat_template is None or not is_one_conversation or not plain_tools:
+            if tools is not None:
+                kwargs["tools"] = tools
             return self.transformers_tokenizer.apply_chat_template(
                 conversation, tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kwargs
             )
@@ -165,7 +168,7 @@ class Tokenizer:
         render: Any = render_jinja_template  # annotated as returning str; it returns (texts, generation spans)
         messages = [{key: value for key, value in m.items() if value is not None} for m in conversation]
         rendered, _ = render(
-            conversations=[messages], tools=None, documents=None, chat_template=self.chat_template,
+            conversations=[messages], tools=tools, documents=None, chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt, **self.special_tokens_map,
         )  # fmt: skip
         return rendered[0]

@@ -17,7 +17,7 @@ from radixrt.engine.engine import Engine
 from radixrt.engine.request import Request, RequestOutput
 from radixrt.runtime.cache_report import EXPLAIN_WINDOW, explain_report, tree_svg
 from radixrt.runtime.driver import EngineDriver, build_engine
-from radixrt.runtime.inputs import InputProcessor, PromptInput, cache_namespace, normalise_rids
+from radixrt.runtime.inputs import InputProcessor, PromptInput, cache_namespace, normalise_rids, per_prompt
 from radixrt.sampling import SamplingParams
 from radixrt.tree import ALL_NAMESPACES, AllNamespaces
 from radixrt.tree.events import CacheEvent
@@ -51,14 +51,18 @@ class Runtime:
     def generate(
         self,
         prompt: PromptInput = None,
-        sampling_params: SamplingParams | dict | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         stream: bool = False,
         *,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         messages: Sequence[dict] | None = None,
         cache_salt: str | None = None,
-        logprob_start_len: int | None = None,
+        logprob_start_len: int | Sequence[int] | None = None,
         rid: str | Sequence[str] | None = None,
+        return_logprob: bool | Sequence[bool] | None = None,
+        top_logprobs_num: int | Sequence[int] | None = None,
+        token_ids_logprob: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        return_text_in_logprobs: bool | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Complete one prompt (a dict) or a list of prompts (a list of dicts, in order).
 
@@ -69,14 +73,18 @@ class Runtime:
         {"index", "id", "text", "output_ids", "finished", "meta_info"?};
         `abort(chunk["id"])` stops that request.
         `cache_salt` puts the request in its own cache namespace.
-        `logprob_start_len` asks for the prompt tokens' log-probabilities from
-        that position on (in meta_info["input_token_logprobs"]).
+        Log-probabilities, SGLang's request fields and `meta_info` shapes
+        (`[logprob, token_id, text-or-None]` entries; docs/sampling.md):
+        `return_logprob`, `logprob_start_len` (-1 or None: the output only; N:
+        the prompt from token N on, its first entry None), `top_logprobs_num`,
+        `token_ids_logprob`, `return_text_in_logprobs`. Any of them but the
+        last turns `return_logprob` on. For a batch, `sampling_params` and the
+        log-prob fields may be lists, one per prompt (as SGLang's `Engine`).
         `rid` names the request (a list: one id per prompt); with `n > 1` the
         samples are `rid-0`, `rid-1`, ... and `abort(rid)` stops them all.
         """
-        requests, many = self._prepare(
-            prompt, sampling_params, input_ids, messages, cache_salt, logprob_start_len, rid
-        )
+        logprobs = (return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob, return_text_in_logprobs)
+        requests, many = self._prepare(prompt, sampling_params, input_ids, messages, cache_salt, logprobs, rid)
         outputs: _Outputs = queue.Queue()
         for req in requests:
             req.on_output, req.stream = outputs.put, stream
@@ -89,14 +97,18 @@ class Runtime:
     async def async_generate(
         self,
         prompt: PromptInput = None,
-        sampling_params: SamplingParams | dict | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         stream: bool = False,
         *,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         messages: Sequence[dict] | None = None,
         cache_salt: str | None = None,
-        logprob_start_len: int | None = None,
+        logprob_start_len: int | Sequence[int] | None = None,
         rid: str | Sequence[str] | None = None,
+        return_logprob: bool | Sequence[bool] | None = None,
+        top_logprobs_num: int | Sequence[int] | None = None,
+        token_ids_logprob: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        return_text_in_logprobs: bool | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate` for asyncio callers; with stream=True, returns an async iterator of chunks.
 
@@ -105,8 +117,9 @@ class Runtime:
         from the engine thread without a thread hop per chunk. Cancelling the
         awaiting task (or closing the iterator early) aborts the requests.
         """
+        logprobs = (return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob, return_text_in_logprobs)
         requests, many = await asyncio.to_thread(
-            self._prepare, prompt, sampling_params, input_ids, messages, cache_salt, logprob_start_len, rid
+            self._prepare, prompt, sampling_params, input_ids, messages, cache_salt, logprobs, rid
         )
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -132,19 +145,19 @@ class Runtime:
     def _prepare(
         self,
         prompt: PromptInput,
-        sampling_params: SamplingParams | dict | None,
+        sampling_params: Any,
         input_ids: Any,
         messages: Any,
         cache_salt: str | None,
-        logprob_start_len: int | None,
+        logprobs: tuple[Any, ...],
         rid: Any,
     ) -> tuple[list[Request], bool]:
         """Validated requests for one call, and whether it returns a list (a batch or n > 1)."""
         prompts, is_batch = self.inputs.token_ids(prompt, input_ids, messages)
-        params = SamplingParams.from_any(sampling_params)
+        params, starts = per_prompt(sampling_params, logprobs, len(prompts), is_batch)
         rids = normalise_rids(rid, is_batch, len(prompts))
-        requests = self.inputs.make_requests(prompts, params, cache_salt, logprob_start_len, rids)
-        return requests, is_batch or params.n > 1
+        requests = self.inputs.make_requests(prompts, params, cache_salt, starts, rids)
+        return requests, is_batch or any(p.n > 1 for p in params)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its caller gets finish_reason {"type": "abort"}."""

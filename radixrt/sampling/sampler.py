@@ -3,7 +3,7 @@
 `Sampler.sample` uses a fixed number of batched tensor operations, whatever
 the mix of settings in the batch:
 
-    logits ─► penalties (repetition, then frequency/presence) ─► logprobs
+    logits ─► constraint masks ─► penalties (repetition, then frequency/presence) ─► logit_bias ─► logprobs
            └► greedy rows: argmax
            └► sampled rows: / temperature ─► top-k, top-p, min-p threshold
                             ─► inverse CDF at u = hash(seed, step)
@@ -53,20 +53,52 @@ def uniform_for(seed: int, step: int) -> float:
 
 
 @dataclass(frozen=True)
+class TokenMasks:
+    """Output constraints of some rows of a batch: row `rows[i]` may pick only the tokens that
+    `allowed[i]` allows ([len(rows), words] int32, a bit per token, set when allowed:
+    `radixrt.sampling.grammar`)."""
+
+    rows: list[int]
+    allowed: torch.Tensor
+
+
+def apply_masks(logits: torch.Tensor, masks: TokenMasks | None) -> torch.Tensor:
+    """A copy of float32 `logits` whose disallowed tokens are -inf, or `logits` itself without
+    masks. Masking comes first: the penalties, the log-probabilities and every filter then see
+    the constrained distribution alone."""
+    if masks is None or not masks.rows:
+        return logits
+    logits = logits.clone()
+    rows = torch.tensor(masks.rows, dtype=torch.int64)
+    kernel = cpu.token_masks()
+    if kernel is not None and kernel.takes(logits):
+        kernel(logits, rows, masks.allowed)
+        return logits
+    bits = (masks.allowed.to(logits.device)[:, :, None] >> torch.arange(32, device=logits.device)) & 1
+    allowed = bits.flatten(1)[:, : logits.shape[1]].bool()
+    logits[rows.to(logits.device)] = logits[rows.to(logits.device)].masked_fill(~allowed, -math.inf)
+    return logits
+
+
+@dataclass(frozen=True)
 class SampleOutput:
     """One sampled token per row.
 
     `logprobs[i]` is the log-probability of `token_ids[i]` under the
-    penalised distribution at temperature 1, before top-k/top-p/min-p: the
-    model's own opinion of the token (after penalties), comparable across
-    requests whatever their temperature, and finite for greedy rows too.
+    masked and penalised distribution at temperature 1, before
+    top-k/top-p/min-p: the model's own opinion of the token (after its
+    constraint and penalties), comparable across requests whatever their
+    temperature, and finite for greedy rows too.
     `top_logprobs[i]` lists row i's `top_logprobs_num` most likely tokens
-    under the same distribution (None when no row asked for any).
+    under the same distribution (None when no row asked for any), and
+    `ids_logprobs[i]` the log-probabilities of its `token_ids_logprob`, in
+    their order (None when no row asked).
     """
 
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    ids_logprobs: list[list[float]] | None = None
 
 
 class Sampler:
@@ -79,8 +111,9 @@ class Sampler:
         seeds: Sequence[int],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
+        masks: TokenMasks | None = None,
     ) -> SampleOutput:
-        """Sample row i of `logits` [B, V] with `params[i]`.
+        """Sample row i of `logits` [B, V] with `params[i]`, among the tokens `masks` allows it.
 
         `seeds[i]` is the request's seed (the engine draws one at submission
         when the user gave none). `output_ids[i]` are the tokens the request
@@ -95,11 +128,14 @@ class Sampler:
         for name, seq in (("params", params), ("seeds", seeds), ("prompt_ids", prompt_ids), ("output_ids", output_ids)):
             if len(seq) != batch_size:
                 raise ValueError(f"{name} must have one entry per logits row ({batch_size}), got {len(seq)}")
-        logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
+        logits = apply_logit_bias(
+            apply_penalties(apply_masks(logits.float(), masks), params, prompt_ids, output_ids), params
+        )
         argmax, row_max, log_norm = _row_stats(logits)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled:  # every token is its row's largest value: no gather
-            return SampleOutput(argmax, row_max - log_norm, _top_logprobs(logits, log_norm, params))
+            return SampleOutput(argmax, row_max - log_norm, _top_logprobs(logits, log_norm, params),
+                                _ids_logprobs(logits, log_norm, params))
         token_ids = argmax  # right for the greedy rows; the sampled ones are drawn into it below
         rows = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
         rows_params = [params[i] for i in sampled]
@@ -111,12 +147,43 @@ class Sampler:
         else:
             token_ids[rows] = _sample_rows(_select(logits, sampled), rows_params, row_uniforms)
         logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - log_norm
-        return SampleOutput(token_ids, logprobs, _top_logprobs(logits, log_norm, params))
+        return SampleOutput(token_ids, logprobs, _top_logprobs(logits, log_norm, params),
+                            _ids_logprobs(logits, log_norm, params))
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`logits` with each row's `logit_bias` added (a copy; `logits` itself without any bias).
+    After the masks and the penalties, as OpenAI and SGLang add it just before sampling; a
+    masked token stays -inf. Each row alone, so a row's bits do not depend on its batch."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if not biased:
+        return logits
+    logits = logits.clone()
+    for i in biased:
+        ids = torch.tensor([t for t, _ in params[i].logit_bias], dtype=torch.int64, device=logits.device)
+        bias = torch.tensor([b for _, b in params[i].logit_bias], dtype=logits.dtype, device=logits.device)
+        logits[i, ids] += bias
+    return logits
+
+
+def _ids_logprobs(
+    logits: torch.Tensor, log_norm: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[list[float]] | None:
+    """Per row, the log-probabilities of its `token_ids_logprob` (None when no row asks)."""
+    if all(p.token_ids_logprob is None for p in params):
+        return None
+    out: list[list[float]] = [[] for _ in params]
+    for i, p in enumerate(params):
+        if p.token_ids_logprob:
+            ids = torch.tensor(p.token_ids_logprob, dtype=torch.int64, device=logits.device)
+            out[i] = (logits[i, ids] - log_norm[i]).tolist()
+    return out
 
 
 def run_sampling(
     params: Sequence[SamplingParams], seeds: Sequence[int], prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]], stop_ids: Sequence[Sequence[int]], num_steps: int, vocab_size: int,
+    masks: cpu.RunMasks | None = None,
 ) -> cpu.RunSampling:
     """How a decode run samples each row, as `Sampler.sample` does: row i with `params[i]`, its
     step s the request's output token `len(output_ids[i]) + s` (the draw `Sampler.sample` would
@@ -140,7 +207,7 @@ def run_sampling(
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
         torch.tensor([p.min_p for p in params], dtype=torch.float32), uniforms,
         torch.tensor(stop_ptr, dtype=torch.int64), torch.tensor([i for ids in stop_ids for i in ids], dtype=torch.int64),
-        penalties, max((p.top_logprobs_num for p in params), default=0),
+        penalties, max((p.top_logprobs_num for p in params), default=0), masks,
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from radixrt.config import RuntimeConfig
 from radixrt.model.tokenizer import Tokenizer
-from radixrt.runtime.inputs import InputProcessor, PromptInput, cache_namespace, normalise_rids
+from radixrt.runtime.inputs import InputProcessor, PromptInput, cache_namespace, normalise_rids, per_prompt
 from radixrt.sampling import SamplingParams
 from radixrt.scaleout.router import Route, Router
 from radixrt.tree import ALL_NAMESPACES, AllNamespaces
@@ -116,31 +116,38 @@ class ReplicaFleet:
     async def async_generate(
         self,
         prompt: PromptInput = None,
-        sampling_params: SamplingParams | dict | None = None,
+        sampling_params: Any = None,
         stream: bool = False,
         *,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         messages: Sequence[dict] | None = None,
         cache_salt: str | None = None,
-        logprob_start_len: int | None = None,
+        logprob_start_len: Any = None,
         rid: str | Sequence[str] | None = None,
+        return_logprob: Any = None,
+        top_logprobs_num: Any = None,
+        token_ids_logprob: Any = None,
+        return_text_in_logprobs: bool | None = None,
     ) -> Any:
         """`Runtime.async_generate`, each prompt on the replica the router picks for it."""
         prompts, is_batch = await asyncio.to_thread(self.inputs.token_ids, prompt, input_ids, messages)
-        params = SamplingParams.from_any(sampling_params)
+        logprobs = (return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob, return_text_in_logprobs)
+        params, starts = per_prompt(sampling_params, logprobs, len(prompts), is_batch)
         rids = normalise_rids(rid, is_batch, len(prompts))
-        self.inputs.make_requests(prompts, params, cache_salt, logprob_start_len, rids)  # validation only
+        self.inputs.make_requests(prompts, params, cache_salt, starts, rids)  # validation only
         calls = [
-            {"input_ids": ids, "sampling_params": params, "cache_salt": cache_salt,
-             "logprob_start_len": logprob_start_len, "rid": rids[i] if rids else None}
+            {"input_ids": ids, "sampling_params": params[i], "cache_salt": cache_salt,
+             "logprob_start_len": starts[i], "rid": rids[i] if rids else None}
             for i, ids in enumerate(prompts)
         ]
         namespace = cache_namespace(cache_salt)
         if stream:
-            return self._stream(calls, namespace, params.n)
+            if len({p.n for p in params}) > 1:
+                raise ValueError("n must be the same for every prompt of a streamed batch")
+            return self._stream(calls, namespace, params[0].n)
         results = await asyncio.gather(*(self._generate(call, namespace) for call in calls))
-        flat = [item for result in results for item in (result if params.n > 1 else [result])]
-        return flat if is_batch or params.n > 1 else flat[0]
+        flat = [item for p, result in zip(params, results) for item in (result if p.n > 1 else [result])]
+        return flat if is_batch or any(p.n > 1 for p in params) else flat[0]
 
     async def _generate(self, call: dict[str, Any], namespace: Hashable) -> Any:
         for attempt in (1, 2):

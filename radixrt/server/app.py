@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -29,9 +30,12 @@ from pydantic import BaseModel
 
 import radixrt
 from radixrt.runtime import Runtime
-from radixrt.server import openai_api
+from radixrt.sampling.params import CONSTRAINT_FIELDS
+from radixrt.server import openai_api, tool_parsers, tools
+from radixrt.server.constraints import Constraint
 from radixrt.server.dashboard import DASHBOARD_HTML
 from radixrt.server.metrics import ServerMetrics
+from radixrt.server.sglang_fields import check_generate_fields
 from radixrt.server.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -54,12 +58,15 @@ class ServerSettings:
         cache_salt), so no tenant can see another's cached prefixes through hit counts or TTFT.
     max_queued_requests: requests held beyond those the engine runs at once; more is a 503.
     served_model_name: the model id clients send and /v1/models lists (default: the model's name).
+    tool_call_parser: the syntax of the model's tool calls (radixrt.server.tools.TOOL_CALL_PARSERS);
+        None reads it from the chat template.
     """
 
     api_keys: frozenset[str] = frozenset()
     cache_isolation: Literal["none", "per-key"] = "none"
     max_queued_requests: int = 1024
     served_model_name: str | None = None
+    tool_call_parser: str | None = None
 
 
 class APIError(Exception):
@@ -74,14 +81,23 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-_FIELD_FIRST = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must)")
+_FIELD_FIRST = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must| is )")
 
 
-def _bad_request(error: ValueError, default_param: str | None = None) -> APIError:
-    """A 400 naming the field: validation messages start with it ("temperature must be ...")."""
+def _bad_request(error: ValueError, default_param: str | None = None, constraint: Constraint | None = None) -> APIError:
+    """A 400 naming the field: validation messages start with it ("temperature must be ...").
+
+    An error about the output constraint names the field the client sent: the runtime's message
+    names `json_schema`, which a client that sent `response_format` never wrote.
+    """
     message = str(error)
     named = _FIELD_FIRST.match(message)
-    return APIError(400, message, param=named.group(1) if named else default_param)
+    param = named.group(1) if named else default_param
+    if param == "prompt" and default_param is not None:
+        param = default_param  # the runtime's word for whichever field carried the prompt
+    if constraint is not None and param == constraint.field and constraint.source != constraint.field:
+        return APIError(400, f"{constraint.source}: {message}", param=constraint.source)
+    return APIError(400, message, param=param)
 
 
 @dataclass
@@ -89,6 +105,7 @@ class _State:
     runtime: Runtime
     settings: ServerSettings
     model_name: str
+    template_tools: tools.TemplateTools  # what the chat template does with tools (probed on first use)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     active_requests: int = 0
 
@@ -110,7 +127,8 @@ class _ORJSONResponse(JSONResponse):
 def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving `runtime`; the caller owns the runtime (and shuts it down)."""
     settings = settings or ServerSettings()
-    state = _State(runtime, settings, settings.served_model_name or runtime.model_name)
+    state = _State(runtime, settings, settings.served_model_name or runtime.model_name,
+                   tools.TemplateTools(runtime.tokenizer, settings.tool_call_parser))
     app = FastAPI(title="radixrt", version=radixrt.__version__, default_response_class=_ORJSONResponse)
     max_active = runtime.config.max_running_requests + settings.max_queued_requests
 
@@ -173,13 +191,14 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
 
         return release
 
-    async def run_plain(num_requests: int, default_param: str, request: Request, **kwargs: Any) -> list[dict]:
+    async def run_plain(num_requests: int, default_param: str, request: Request,
+                        constraint: Constraint | None = None, **kwargs: Any) -> list[dict]:
         """A whole `async_generate` call; a disconnect cancels it, which aborts its requests."""
         release = admit(num_requests)
         try:
             result = await _cancel_on_disconnect(request, runtime.async_generate(**kwargs))
         except ValueError as error:
-            raise _bad_request(error, default_param) from None
+            raise _bad_request(error, default_param, constraint) from None
         except asyncio.CancelledError:
             state.metrics.observe_aborted(num_requests)
             raise
@@ -193,7 +212,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
 
     async def run_stream(
         num_requests: int, default_param: str, events: Callable[[AsyncIterator[dict]], AsyncIterator[bytes]],
-        **kwargs: Any,
+        constraint: Constraint | None = None, **kwargs: Any,
     ) -> Response:
         """A streamed call. However the response ends (done, error, client gone, even before its
         first byte), unfinished requests are aborted and their places released."""
@@ -202,7 +221,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             chunks = await runtime.async_generate(stream=True, **kwargs)
         except ValueError as error:
             release()
-            raise _bad_request(error, default_param) from None
+            raise _bad_request(error, default_param, constraint) from None
         except BaseException:
             release()
             raise
@@ -235,85 +254,141 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                key: str | None = Depends(tenant)) -> Response:
-        log_unknown(body, "/v1/chat/completions")
         check_model(body.model)
         try:
             messages = body.chat_messages()
             params = openai_api.chat_sampling_params(body)
+            constraint = openai_api.body_constraint(body)
+            plan = openai_api.tool_plan(body)
         except ValueError as error:
             raise _bad_request(error, "messages") from None
         options: dict[str, Any] = {
             "messages": messages, "sampling_params": params, "cache_salt": cache_salt(key, body.cache_salt),
-            "rid": body.rid or openai_api.new_id("chatcmpl"),
+            "rid": body.rid or openai_api.new_id("chatcmpl"), "constraint": constraint,
         }
+        syntax = None
+        if plan is not None:  # the template renders the tools: the prompt is made here, not in generate
+            try:
+                syntax = await asyncio.to_thread(state.template_tools.syntax, plan.choice)
+                if state.template_tools.call_tag_is_special(syntax):
+                    params["skip_special_tokens"] = False  # the parser must see <tool_call>
+                if plan.constrained:
+                    options["constraint"] = openai_api.constrain_to_calls(plan, syntax, params, constraint)
+                options["input_ids"] = await asyncio.to_thread(
+                    runtime.inputs.encode_messages, messages, body.tools
+                )
+            except ValueError as error:
+                raise _bad_request(error, "tools") from None
+            del options["messages"]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             writer = openai_api.ChunkWriter("chat", state.model_name, include_usage)
+            calls = None if plan is None or syntax is None else (syntax, plan.parallel)
+            chat_logprobs = None
+            if body.logprobs:
+                def chat_logprobs(index: int, result: dict[str, Any]) -> dict[str, Any] | None:
+                    return openai_api.chat_logprobs(result, runtime.tokenizer)
             return await run_stream(
-                body.n, "messages", lambda chunks: _openai_stream(state, chunks, writer, body.n, body.n), **options
+                body.n, "messages",
+                lambda chunks: _openai_stream(state, chunks, writer, body.n, body.n, calls,
+                                              logprobs_of=chat_logprobs),
+                **options,
             )
         results = await run_plain(body.n, "messages", request, **options)
-        return _ORJSONResponse(openai_api.chat_response(body, results, state.model_name, runtime.tokenizer))
+        return _ORJSONResponse(
+            openai_api.chat_response(body, results, state.model_name, runtime.tokenizer, plan, syntax)
+        )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, key: str | None = Depends(tenant)) -> Response:
-        log_unknown(body, "/v1/completions")
         check_model(body.model)
         try:
             params = openai_api.completion_sampling_params(body)
+            constraint = openai_api.body_constraint(body)
         except ValueError as error:
             raise _bad_request(error, "best_of") from None
         prompts = _completion_prompts(body.prompt)
+        echo_logprobs = body.echo and body.logprobs is not None
+        if echo_logprobs and isinstance(prompts[0], str):  # the prompt's tokens are needed to show its log-probs
+            try:
+                prompts = await asyncio.to_thread(lambda: [runtime.inputs.encode_text(p) for p in prompts])
+            except ValueError as error:
+                raise _bad_request(error, "prompt") from None
         is_text = isinstance(prompts[0], str)
         single = isinstance(body.prompt, str) or _is_token_list(body.prompt)
         rid = body.rid or openai_api.new_id("cmpl")
         options: dict[str, Any] = {
             "sampling_params": params, "cache_salt": cache_salt(key, body.cache_salt),
-            "rid": rid if single else [f"{rid}-{i}" for i in range(len(prompts))],
+            "rid": rid if single else [f"{rid}-{i}" for i in range(len(prompts))], "constraint": constraint,
         }
+        if echo_logprobs:
+            options["logprob_start_len"] = 0
         options["prompt" if is_text else "input_ids"] = prompts[0] if single else prompts
         num_requests = body.n * len(prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             writer = openai_api.ChunkWriter("completion", state.model_name, include_usage)
+            echoed = None
+            if body.echo:  # each choice's first delta is its prompt
+                echo_texts = await asyncio.to_thread(_prompt_texts, runtime.tokenizer, prompts)
+                echoed = [echo_texts[i // body.n] for i in range(num_requests)]
+            completion_logprobs = None
+            if body.logprobs is not None:
+                def completion_logprobs(index: int, result: dict[str, Any]) -> dict[str, Any] | None:
+                    logprobs = openai_api.completion_logprobs(result, runtime.tokenizer)
+                    if echo_logprobs and logprobs is not None:
+                        return openai_api.echo_logprobs(result, prompts[index // body.n], runtime.tokenizer, logprobs)
+                    return logprobs
             return await run_stream(
                 num_requests, "prompt",
-                lambda chunks: _openai_stream(state, chunks, writer, num_requests, body.n), **options,
+                lambda chunks: _openai_stream(state, chunks, writer, num_requests, body.n, echo=echoed,
+                                              logprobs_of=completion_logprobs),
+                **options,
             )
         results = await run_plain(num_requests, "prompt", request, **options)
-        texts = [p if isinstance(p, str) else runtime.tokenizer.decode(p) for p in prompts] if body.echo else None
+        texts = _prompt_texts(runtime.tokenizer, prompts) if body.echo else None
+        ids = prompts if echo_logprobs else None
         return _ORJSONResponse(
-            openai_api.completion_response(body, results, state.model_name, runtime.tokenizer, texts)
+            openai_api.completion_response(body, results, state.model_name, runtime.tokenizer, texts, ids)
         )
 
     # --- SGLang native ------------------------------------------------------------------
     @app.post("/generate")
     async def native_generate(body: GenerateRequest, request: Request, key: str | None = Depends(tenant)) -> Response:
-        log_unknown(body, "/generate")
+        try:
+            check_generate_fields(body.model_extra or {})
+        except ValueError as error:
+            raise _bad_request(error) from None
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "give exactly one of text or input_ids", param="text")
-        params = dict(body.sampling_params or {})
-        if body.return_logprob:
-            params["return_logprob"] = True
         prompts: list[Any] = body.text if isinstance(body.text, list) else list(body.input_ids or [])
         many = isinstance(body.text, list) or bool(prompts) and isinstance(prompts[0], list)
         num_prompts = len(prompts) if many else 1
+        params: Any = body.sampling_params
+        if isinstance(params, list):
+            params = [_sglang_sampling(p) for p in params]
+            if not many and len(params) == 1:
+                params = params[0]  # SGLang takes a one-item list for one prompt
+        else:
+            params = _sglang_sampling(params or {})
         rid: str | list[str] | None = body.rid
         if rid is None:
             rid = [openai_api.new_id("gen") for _ in range(num_prompts)] if many else openai_api.new_id("gen")
+        salt = body.cache_salt if body.extra_key is None else f"{body.extra_key}:{body.cache_salt or ''}"
         options: dict[str, Any] = {
-            "sampling_params": params, "cache_salt": cache_salt(key, body.cache_salt), "rid": rid,
-            "logprob_start_len": body.logprob_start_len,
+            "sampling_params": params, "cache_salt": cache_salt(key, salt), "rid": rid,
+            "return_logprob": body.return_logprob, "logprob_start_len": body.logprob_start_len,
+            "top_logprobs_num": body.top_logprobs_num, "token_ids_logprob": body.token_ids_logprob,
+            "return_text_in_logprobs": body.return_text_in_logprobs,
         }
         if body.text is not None:
             options["prompt"] = body.text
         else:
             options["input_ids"] = body.input_ids
-        n = params.get("n", 1)
-        num_requests = num_prompts * (n if isinstance(n, int) and n > 0 else 1)
+        samples = [p.get("n", 1) if isinstance(p, dict) else 1 for p in (params if isinstance(params, list) else
+                                                                         [params] * num_prompts)]  # fmt: skip
+        num_requests = sum(n if isinstance(n, int) and n > 0 else 1 for n in samples)
         if body.stream:
-            if many:
-                raise APIError(400, "stream needs a single prompt", param="stream")
             return await run_stream(num_requests, "text", lambda chunks: _native_stream(state, chunks), **options)
         results = await run_plain(num_requests, "text", request, **options)
         return _ORJSONResponse(results if many or len(results) > 1 else results[0])
@@ -325,6 +400,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         return _ORJSONResponse({})
 
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info(key: str | None = Depends(tenant)) -> dict[str, Any]:
         limits = runtime.inputs.limits
         return {"model_path": runtime.model_name, "tokenizer_path": runtime.model_name, "is_generation": True,
@@ -332,6 +408,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
                 "vocab_size": limits.vocab_size}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info(key: str | None = Depends(tenant)) -> dict[str, Any]:
         stats = await asyncio.to_thread(runtime.cache_stats)
         return {
@@ -396,8 +473,29 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     return app
 
 
+def _sglang_sampling(params: dict[str, Any]) -> dict[str, Any]:
+    """A /generate `sampling_params` dict as the runtime takes it; a 400 names the constraint fields
+    at the route, where the client's words are known (SGLang's client sends each of them, null
+    when unused: null means none)."""
+    params = dict(params)
+    constrained = [name for name in CONSTRAINT_FIELDS if params.get(name) is not None]
+    if len(constrained) > 1:
+        raise APIError(400, f"sampling_params: give at most one output constraint of "
+                            f"{', '.join(CONSTRAINT_FIELDS)}; got {' and '.join(constrained)}", param="sampling_params")
+    if isinstance(params.get("json_schema"), dict):  # as text in the client's key order (constraints._json_text)
+        params["json_schema"] = json.dumps(params["json_schema"])
+    if constrained and params.get("max_new_tokens") == 0:
+        raise APIError(400, f"max_new_tokens must be >= 1 with {constrained[0]}, which constrains generated "
+                            "tokens; got 0", param="max_new_tokens")
+    return params
+
+
 def _is_token_list(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
+
+
+def _prompt_texts(tokenizer: Any, prompts: list[Any]) -> list[str]:
+    return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
 
 
 def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
@@ -460,27 +558,52 @@ _DONE = b"data: [DONE]\n\n"
 
 async def _openai_stream(
     state: _State, chunks: AsyncIterator[dict], writer: openai_api.ChunkWriter, num_choices: int,
-    samples_per_prompt: int,
+    samples_per_prompt: int, calls: tuple[str, bool] | None = None, echo: list[str] | None = None,
+    logprobs_of: Callable[[int, dict[str, Any]], dict[str, Any] | None] | None = None,
 ) -> AsyncIterator[bytes]:
     """Role chunks, deltas, one finish per choice, the usage chunk if asked, then [DONE].
 
-    An error after the stream began is sent as a `data: {"error": ...}` event.
+    `calls` (the tool-call syntax, and whether parallel calls are kept): deltas split into content
+    and `delta.tool_calls` (tool_parsers.StreamedCalls). `echo`: each choice's prompt, sent first.
+    `logprobs_of(index, result)`: a choice's log-probs, sent with its finish for all its tokens (the
+    engine reports them when the request ends). An error after the stream began is sent as a
+    `data: {"error": ...}` event.
     """
     results: list[dict[str, Any] | None] = [None] * num_choices
+    output_ids: list[list[int]] = [[] for _ in range(num_choices)]
+    splitters = [tool_parsers.StreamedCalls(calls[0]) for _ in range(num_choices)] if calls is not None else None
     try:
         if writer.kind == "chat":
             for index in range(num_choices):
                 yield _data(writer.role(index))
+        for index, prompt_text in enumerate(echo or []):
+            yield _data(writer.delta(index, prompt_text))
         async for chunk in chunks:
             index = chunk["index"]
+            output_ids[index].extend(chunk["output_ids"])
             finish = None
+            logprobs = None
             if chunk["finished"]:
                 meta = chunk["meta_info"]
                 finish = meta["finish_reason"]["type"]
                 results[index] = {"meta_info": meta}
                 state.finished(meta)
-            if chunk["text"] or finish is not None:
-                yield _data(writer.delta(index, chunk["text"], finish))
+                if logprobs_of is not None:
+                    logprobs = logprobs_of(index, {"output_ids": output_ids[index], "meta_info": meta})
+            if splitters is not None:
+                splitter = splitters[index]
+                content, call_deltas = splitter.feed(chunk["text"], finish is not None)
+                if not calls or not calls[1]:  # parallel_tool_calls false: the first call only
+                    call_deltas = [d for d in call_deltas if d["index"] == 0]
+                if content:
+                    yield _data(writer.delta(index, content))
+                for call_delta in call_deltas:
+                    yield _data(writer.tool_call_delta(index, call_delta))
+                if finish is not None:
+                    yield _data(writer.delta(index, "", "tool_calls" if finish == "stop" and splitter.calls_sent
+                                             else finish, logprobs))
+            elif chunk["text"] or finish is not None:
+                yield _data(writer.delta(index, chunk["text"], finish, logprobs))
         if writer.include_usage:
             yield _data(writer.usage(openai_api.usage([r for r in results if r is not None], samples_per_prompt)))
     except RuntimeError as error:
@@ -497,7 +620,8 @@ async def _native_stream(state: _State, chunks: AsyncIterator[dict]) -> AsyncIte
             index = chunk["index"]
             text[index] = text.get(index, "") + chunk["text"]
             ids.setdefault(index, []).extend(chunk["output_ids"])
-            meta = chunk.get("meta_info") or {"id": chunk["id"]}
+            meta = chunk.get("meta_info") or {"id": chunk["id"], "finish_reason": None,
+                                              "completion_tokens": len(ids[index])}
             if chunk["finished"]:
                 state.finished(meta)
             yield _data({"index": index, "text": text[index], "output_ids": ids[index], "meta_info": meta})

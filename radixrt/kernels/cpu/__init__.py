@@ -60,7 +60,7 @@ import shutil
 import subprocess
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -78,6 +78,8 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shar
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
 
+# A decode run's call back between steps (`RunMasks.advance`): nonzero ends the run.
+_ADVANCE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 _lock = threading.Lock()
 _library: list[ctypes.CDLL | None] = []  # empty until the first accessor call, then [library or None]
 _calling_thread = threading.local()  # .threads: the `kernel_threads` override of this thread's calls
@@ -567,12 +569,23 @@ class RunPenalties(NamedTuple):
     output_counts: torch.Tensor
 
 
+class RunMasks(NamedTuple):
+    """A decode run's output constraints: row r with `masked[r]` picks only among the tokens its
+    row of `allowed` ([B, words] int32, a bit per token, set when allowed) allows; after each step
+    but the last, `advance(step, tokens)` (the step's token of every row) writes the next step's
+    masks into `allowed` and returns True to end the run after that step."""
+
+    allowed: torch.Tensor
+    masked: torch.Tensor  # [B] uint8
+    advance: Callable[[int, list[int]], bool]
+
+
 class RunSampling(NamedTuple):
     """How each row of a decode run picks its tokens: temperature 0 greedy (the first argmax), else
     a draw at `uniforms[s, r]` ([steps, B] float64) after its filters, as `RowSampler`, each after
-    the row's penalties when there are any; the run stops after a step where row r drew one of
-    `stop_ids[stop_ptr[r]:stop_ptr[r + 1]]`. Each step also reports every row's `top_logprobs`
-    most likely tokens (0: none)."""
+    the row's mask and penalties when there are any; the run stops after a step where row r drew
+    one of `stop_ids[stop_ptr[r]:stop_ptr[r + 1]]`. Each step also reports every row's
+    `top_logprobs` most likely tokens (0: none)."""
 
     temperatures: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64
@@ -583,6 +596,7 @@ class RunSampling(NamedTuple):
     stop_ids: torch.Tensor  # int64
     penalties: RunPenalties | None = None
     top_logprobs: int = 0
+    masks: RunMasks | None = None
 
 
 class RunOutput(NamedTuple):
@@ -622,6 +636,7 @@ class DecodeRun:
             pointer, pointer, pointer, pointer, pointer,  # repetition, frequency, presence, seen, output counts
             pointer, pointer, pointer, i32, pointer,  # stop ptr, stop ids, interrupt, steps, tokens
             pointer, i32, pointer, pointer,  # logprobs, top count, top tokens, top logprobs
+            pointer, i64, pointer, _ADVANCE,  # allowed, allowed words, masked, advance
             pointer, i32,  # balance, threads
         ]
         self._fn.restype = i32
@@ -652,6 +667,23 @@ class DecodeRun:
             raise ValueError(f"top_logprobs must be in [0, {head.num_rows}], got {sampling.top_logprobs}")
         tokens = torch.empty(num_steps, batch, dtype=torch.int64)
         logprobs = torch.empty(num_steps, batch, dtype=torch.float32)
+        masks, advance, failure = sampling.masks, None, []
+        if masks is not None:
+            if (masks.allowed.dtype != torch.int32 or masks.allowed.shape[0] != batch or not masks.allowed.is_contiguous()
+                    or masks.allowed.shape[1] * 32 < head.num_rows):  # fmt: skip
+                raise ValueError(f"masks must be [{batch}, >= {(head.num_rows + 31) // 32}] int32 and contiguous, "
+                                 f"got {tuple(masks.allowed.shape)} {masks.allowed.dtype}")
+            if masks.masked.dtype != torch.uint8 or masks.masked.shape != (batch,):
+                raise ValueError(f"masked must be [{batch}] uint8, got {tuple(masks.masked.shape)}")
+
+            def call_back(step: int) -> int:
+                try:
+                    return int(bool(masks.advance(step, tokens[step].tolist())))
+                except BaseException as error:  # raised again once the run is over
+                    failure.append(error)
+                    return 1
+
+            advance = _ADVANCE(call_back)
         top = sampling.top_logprobs
         top_tokens = torch.empty(num_steps, batch, top, dtype=torch.int64) if top else None
         top_logprobs = torch.empty(num_steps, batch, top, dtype=torch.float32) if top else None
@@ -669,8 +701,12 @@ class DecodeRun:
             sampling.stop_ptr.data_ptr(), sampling.stop_ids.data_ptr(),
             None if interrupt is None else ctypes.addressof(interrupt), num_steps, tokens.data_ptr(),
             logprobs.data_ptr(), top, None if top_tokens is None else top_tokens.data_ptr(),
-            None if top_logprobs is None else top_logprobs.data_ptr(), self.balance.pointer, _threads(),
+            None if top_logprobs is None else top_logprobs.data_ptr(),
+            None if masks is None else masks.allowed.data_ptr(), 0 if masks is None else masks.allowed.shape[1],
+            None if masks is None else masks.masked.data_ptr(), advance or _ADVANCE(), self.balance.pointer, _threads(),
         )  # fmt: skip
+        if failure:
+            raise failure[0]
         if done < 0:
             _raise_for_stack_status(done, "decode run", num_slots, vocab, cos.shape[0], heads)
         return RunOutput(tokens[:done], logprobs[:done], None if top_tokens is None else top_tokens[:done],
@@ -744,6 +780,28 @@ class RowStats:
         return argmax, stats[0], stats[1]
 
 
+class TokenMasks:
+    """`radixrt_mask_rows`: the tokens a bitmask does not allow become -inf in logits rows."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.radixrt_mask_rows
+        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64]
+        self._fn.restype = None
+
+    takes = staticmethod(RowStats.takes)
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
+        """In place, row rows[i] ([N] int64, contiguous) of float32 logits [B, V] (`takes`) keeps
+        the tokens allowed[i] ([N, words] int32, contiguous, words * 32 >= V) allows."""
+        if (allowed.dtype != torch.int32 or not allowed.is_contiguous() or allowed.shape[0] != rows.shape[0]
+                or allowed.shape[1] * 32 < logits.shape[1]):  # fmt: skip
+            raise ValueError(f"allowed must be [{rows.shape[0]}, >= {(logits.shape[1] + 31) // 32}] int32 and "
+                             f"contiguous, got {tuple(allowed.shape)} {allowed.dtype}")
+        self._fn(logits.data_ptr(), rows.shape[0], rows.data_ptr(), logits.shape[1], logits.stride(0),
+                 allowed.data_ptr(), allowed.shape[1])
+
+
 class RowSampler:
     """`radixrt_sample_rows`: inverse-CDF draws from softmax(row / T) after each row's top-k,
     top-p and min-p filters."""
@@ -812,6 +870,13 @@ def row_stats() -> RowStats | None:
     """The compiled argmax and log-sum-exp of logits rows; None where the kernels cannot be built."""
     library = _load()
     return None if library is None else RowStats(library)
+
+
+@functools.cache  # the sampler asks at every step
+def token_masks() -> TokenMasks | None:
+    """The compiled token masking of logits rows; None where the kernels cannot be built."""
+    library = _load()
+    return None if library is None else TokenMasks(library)
 
 
 @functools.cache  # the sampler asks at every step

@@ -100,7 +100,11 @@ static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positio
  * often each token is in the row's prompt and output, and in its output, counted on as the run
  * draws tokens); row r stops the run at a token among stop_ids[stop_ptr[r] ..
  * stop_ptr[r + 1]), and any step stops it while *interrupt (when not NULL) is nonzero: the caller
- * has something to do between steps (a new request). tokens, logprobs: [num_steps, rows], step
+ * has something to do between steps (a new request). Output constraints: where `allowed` is not
+ * NULL, a row r with masked[r] != 0 picks among the tokens allowed[r * allowed_words ..] allows
+ * (radixrt_mask_row, before its penalties), and after every step but the last, while every row
+ * has sampled and before any computes again, thread 0 calls advance(s), which writes the rows'
+ * masks for step s + 1 from the tokens of step s and returns nonzero to end the run there. tokens, logprobs: [num_steps, rows], step
  * s's token of row r and its log-probability at temperature 1; with top_count > 0, top_tokens and
  * top_logprobs [num_steps, rows, top_count]: each step's most likely tokens of each row and their
  * log-probabilities (radixrt_top_row, after the penalties). balance: the caller's
@@ -120,7 +124,8 @@ int radixrt_int4_decode_run_bf16(
     const float *temperatures, const int64_t *top_k, const float *top_p, const float *min_p, const double *uniforms,
     const float *repetition, const float *frequency, const float *presence, int32_t *seen, int32_t *output_counts,
     const int64_t *stop_ptr, const int64_t *stop_ids, const atomic_int *interrupt, int num_steps, int64_t *tokens,
-    float *logprobs, int top_count, int64_t *top_tokens, float *top_logprobs, ProductBalance *balance,
+    float *logprobs, int top_count, int64_t *top_tokens, float *top_logprobs, const int32_t *allowed,
+    int64_t allowed_words, const uint8_t *masked, int (*advance)(int step), ProductBalance *balance,
     int num_threads
 ) {
     const StackModel model = {
@@ -129,7 +134,8 @@ int radixrt_int4_decode_run_bf16(
         balance, embedding_bits,
     };
     if (radixrt_stack_model_check(&model) || head == NULL || head_rows > vocab || rows < 1 || num_steps < 1 ||
-        chunk < 1 || top_count < 0 || top_count > head_rows)
+        chunk < 1 || top_count < 0 || top_count > head_rows ||
+        (allowed != NULL && (masked == NULL || allowed_words * 32 < head_rows)))
         return -1;
     int64_t last_position = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -198,6 +204,7 @@ int radixrt_int4_decode_run_bf16(
                     float *x = logits + r * head_rows;
                     int32_t *row_seen = seen == NULL ? NULL : seen + r * head_rows;
                     int32_t *row_counts = output_counts == NULL ? NULL : output_counts + r * head_rows;
+                    if (allowed != NULL && masked[r]) radixrt_mask_row(x, head_rows, allowed + r * allowed_words);
                     if (row_seen != NULL)
                         radixrt_penalize_row(x, head_rows, row_seen, row_counts, repetition[r], frequency[r],
                                              presence[r]);
@@ -225,7 +232,12 @@ int radixrt_int4_decode_run_bf16(
                 if (team.thread == 0 && interrupt != NULL && atomic_load_explicit(interrupt, memory_order_relaxed))
                     atomic_store(&stopped, 1);
                 team_barrier(&team);
-                if (team.thread == 0) done = s + 1;
+                if (team.thread == 0) {
+                    done = s + 1;
+                    if (advance != NULL && s + 1 < num_steps && !atomic_load(&stopped) && advance(s))
+                        atomic_store(&stopped, 1);
+                }
+                if (advance != NULL) team_barrier(&team);  /* the next masks and the verdict, for every thread */
                 if (atomic_load(&stopped)) break;
             }
         }

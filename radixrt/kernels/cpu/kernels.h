@@ -152,6 +152,9 @@ void radixrt_row_stats_row(const float *x, int64_t cols, int64_t *argmax, float 
  * tokens and values minus `shift`; count <= cols */
 void radixrt_top_row(const float *x, int64_t cols, int count, float shift, int64_t *tokens, float *values);
 
+/* sample_rows.c: one row's tokens that `allowed` (a bit per token, token t at bit t % 32 of word
+ * t / 32) does not allow set to -inf, in place */
+void radixrt_mask_row(float *x, int64_t cols, const int32_t *allowed);
 /* sample_rows.c: one row's repetition, frequency and presence penalties, in place */
 void radixrt_penalize_row(float *x, int64_t cols, const int32_t *seen, const int32_t *output_counts, float repetition,
                           float frequency, float presence);

@@ -274,3 +274,22 @@ int radixrt_sample_rows(const float *logits, int64_t num_rows, const int64_t *ro
     free(weights);
     return 0;
 }
+
+/* The tokens `allowed` does not allow (a bit per token: token t is bit t % 32 of word t / 32, set
+ * when allowed) become -inf in one float32 row, so that no later pass can pick them and the row's
+ * log-sum-exp is over the allowed tokens alone. */
+void radixrt_mask_row(float *x, int64_t cols, const int32_t *allowed) {
+    for (int64_t start = 0; start < cols; start += 32) {
+        const uint32_t bits = (uint32_t)allowed[start / 32];
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t count = cols - start < 32 ? cols - start : 32;
+        for (int64_t j = 0; j < count; j++)
+            if (!(bits >> j & 1u)) x[start + j] = -INFINITY;
+    }
+}
+
+/* radixrt_mask_row for row rows[i] of `logits` with allowed[i * words ..], each row alone. */
+void radixrt_mask_rows(float *logits, int64_t num_rows, const int64_t *rows, int64_t cols, int64_t row_stride,
+                       const int32_t *allowed, int64_t words) {
+    for (int64_t i = 0; i < num_rows; i++) radixrt_mask_row(logits + rows[i] * row_stride, cols, allowed + i * words);
+}
