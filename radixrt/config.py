@@ -25,10 +25,11 @@ class RuntimeConfig:
     dtype: "auto" (bfloat16 on cuda; on cpu the model's fastest exact-enough
         choice, see docs/model.md), "float32", "bfloat16", "float16".
     weights: "dense" expands every weight to `dtype`; "native" keeps a GGUF
-        model's 4-bit (Q4_0/Q4_1) projections as stored and multiplies by them
-        directly on the CPU, reading a quarter of the bytes per step; "auto"
-        is native for such a GGUF model on the CPU in bfloat16 (where it is
-        faster), dense otherwise.
+        model's 4-bit (Q4_0/Q4_1) projections and Q4_0/Q4_1/Q8_0 LM head as
+        stored and multiplies by them directly on the CPU, reading a quarter
+        of the bytes per step (other types load dense, with a warning);
+        "auto" is native for a Llama-family GGUF model on the CPU in bfloat16
+        (where it is faster), dense otherwise.
     page_size: tokens per KV page; the radix tree caches whole pages only.
     max_total_tokens: KV pool size in tokens. When None it is derived from
         `kv_memory_fraction` of free GPU memory on cuda, or from

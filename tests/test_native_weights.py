@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from radixrt import Runtime
 from radixrt.kernels.forward_batch import ForwardBatch
-from radixrt.model import gguf_int4, gguf_plan, linear
-from radixrt.model.gguf_file import GGUFFile, GGUFTensor
+from radixrt.model import gguf_int4, linear
+from radixrt.model.gguf_file import GGUFTensor
 from radixrt.model.gguf_int4 import Int4Weight, Int8Weight, read_lm_head, read_projections
 from radixrt.model.loader import bundled_model_path, load_model
 
@@ -177,7 +177,6 @@ def test_native_weights_need_a_gguf_model(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_auto_is_native_only_for_a_4bit_gguf_in_bfloat16(tiny_llama_dir):
-    assert gguf_plan.has_native_projections(GGUFFile(bundled_model_path()))
     assert load_model(None, dtype="bfloat16", weights="auto").weights == "native"
     assert load_model(None, dtype="float32", weights="auto").weights == "dense"
     assert load_model(tiny_llama_dir, dtype="bfloat16", weights="auto").weights == "dense"

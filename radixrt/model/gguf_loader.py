@@ -153,7 +153,8 @@ def dequantize_into(destination: torch.Tensor, tensor: GGUFTensor, row_order: to
         if row_order is None:
             rows[start : start + block.shape[0]].copy_(block)
         else:
-            rows.index_copy_(0, inverse[start : start + block.shape[0]].to(rows.device), block.to(rows.dtype))
+            rows.index_copy_(0, inverse[start : start + block.shape[0]].to(rows.device),
+                             block.to(device=rows.device, dtype=rows.dtype))
 
 
 def _packed(parts: list[GGUFTensor], config: ModelConfig, placed: huge_pages.SideBySide) -> cpu.PackedWeight:

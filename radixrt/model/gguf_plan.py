@@ -34,13 +34,6 @@ class TensorPlan:
     fallback: dict[str, list[str]] = field(default_factory=dict)  # type -> tensors native could not run
 
 
-def has_native_projections(file: GGUFFile) -> bool:
-    """Whether any projection is stored in a type the native kernels run (what `weights="auto"` asks)."""
-    suffixes = {f"{name}.weight" for names in PROJECTIONS.values() for name in names}
-    return any(t.type_name in SUPPORTED_TYPES for name, t in file.tensors.items()
-               if name.startswith("blk.") and name.split(".", 2)[2] in suffixes)  # fmt: skip
-
-
 def plan_tensors(file: GGUFFile, config: ModelConfig, native: bool) -> TensorPlan:
     """Check every tensor's name and shape against `config`, and choose native or dense for each
     projection and the LM head (ValueError naming a tensor that is missing, extra or mis-shaped)."""

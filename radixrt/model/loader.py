@@ -167,10 +167,10 @@ def load_model(
     """Load `model` (a HF folder, a .gguf file, or None for the bundled SmolLM2) onto `device`.
 
     `weights="native"` runs a GGUF file's quantized projections and LM head
-    as they are stored (CPU; see `gguf_loader`); "dense" expands every weight
-    to `dtype`; "auto" is native where that is faster (a GGUF file with
-    Q4_0/Q4_1 projections, on the CPU, in bfloat16: torch's float32 4-bit
-    kernel is slow) and dense elsewhere. `kv_pool_bytes(kv_shape)`, if given,
+    as they are stored (CPU; see `gguf_loader`; types without a native kernel
+    load dense with a WARNING); "dense" expands every weight to `dtype`;
+    "auto" is native where that is faster (a Llama-family GGUF on the CPU in
+    bfloat16: torch's float32 4-bit kernel is slow) and dense elsewhere. `kv_pool_bytes(kv_shape)`, if given,
     is the KV pool the caller will allocate: a GGUF load checks that the
     weights and that pool fit in memory before allocating either.
 
@@ -197,9 +197,9 @@ def load_model(
     if source.is_file() and source.suffix != ".gguf":
         raise ValueError(f"model file {str(source)!r} is not a .gguf file; pass a .gguf file or a folder")
     file = _checked_gguf(source) if source.is_file() else None
-    if weights == "auto":
+    if weights == "auto":  # tensors without a native kernel then load dense, with one WARNING
         native = (file is not None and gguf_loader.is_native_architecture(file) and resolved_device.type == "cpu"
-                  and resolved_dtype == torch.bfloat16 and gguf_plan.has_native_projections(file))
+                  and resolved_dtype == torch.bfloat16)
         weights = "native" if native else "dense"
     if weights == "native":
         if file is None or not gguf_loader.is_native_architecture(file):
