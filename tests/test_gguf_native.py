@@ -20,7 +20,7 @@ import transformers
 
 from radixrt.benchmarks.gguf_models import LlamaShape, llama_cpp_permute, write_llama_gguf
 from radixrt.kernels import cpu
-from radixrt.model import gguf_loader, gguf_plan
+from radixrt.model import gguf_int4, gguf_loader, gguf_plan
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
 from radixrt.model.gguf_int4 import PROJECTIONS, Int4Weight, int4_weight, projection
 from radixrt.model.llama import LlamaForCausalLM
@@ -152,6 +152,10 @@ def test_file_blocks_repack_in_c_exactly_as_from_codes(mixed_file):
     weight = int4_weight(edge)
     expected = matmul.pack_int4(weight.codes, weight.scales, weight.offsets).data
     assert torch.equal(gguf_rows_packed(matmul, [edge], config), expected)
+    head = file.tensors["token_embd.weight"]  # Q8_0, the tied head
+    rows = head.data.ctypes.data + torch.arange(head.shape[0]) * head.data.shape[1]
+    codes = gguf_int4.int8_weight(head)
+    assert torch.equal(matmul.pack_gguf_q8(rows, head.shape[1]).data, matmul.pack_int8(codes.codes, codes.scales).data)
     blocks[0, :2] = np.array([0x7400], dtype=np.uint16).view(np.uint8)  # 16384: -8 d overflows fp16
     with pytest.raises(ValueError, match="does not fit in float16"):
         gguf_rows_packed(matmul, [GGUFTensor("edge", "Q4_0", (16, 32), blocks)], config)

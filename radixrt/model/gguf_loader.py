@@ -38,7 +38,7 @@ from radixrt.memory import huge_pages
 from radixrt.model import gguf_int4, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
-from radixrt.model.gguf_int4 import PROJECTIONS, Int4Weight
+from radixrt.model.gguf_int4 import PROJECTIONS, Int4Weight, Int8Weight
 from radixrt.model.gguf_plan import TensorPlan
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.start_record import read_record, write_record
@@ -110,8 +110,7 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
             file.release([part for parts in (*plan.native[index].values(), *plan.dense[index].values())
                           for part in parts])
     if any(plan.native) or plan.head is not None:
-        model.finish_int4(None if plan.head is None else gguf_int4.quantized_head(plan.head), quantized_embedding,
-                          placed)
+        model.finish_int4(_head(plan.head, placed), quantized_embedding, placed)
         file.release([] if plan.head is None else [plan.head])
     huge_pages.release_free_heap()
     return model
@@ -170,6 +169,20 @@ def _packed(parts: list[GGUFTensor], config: ModelConfig, placed: huge_pages.Sid
         kinds.append(torch.full((part.shape[0],), 1 if part.type_name == "Q4_1" else 0, dtype=torch.uint8))
     num_rows, num_cols = sum(part.shape[0] for part in parts), parts[0].shape[1]
     return matmul.pack_gguf_q4(torch.cat(addresses), torch.cat(kinds), num_cols, placed.take(num_rows * num_cols * 5 // 8))
+
+
+def _head(head: GGUFTensor | None,
+          placed: huge_pages.SideBySide | None) -> Int4Weight | Int8Weight | cpu.PackedWeight | None:
+    """The file's LM head: a Q8_0 one written by `pack_gguf.c` into the last slot of `placed`
+    (where there is one), else as codes for `finish_int4` to pack."""
+    if head is None:
+        return None
+    matmul = cpu.quantized_matmul()
+    num_rows, num_cols = head.shape[0], head.shape[1]
+    if placed is None or head.type_name != "Q8_0" or matmul is None or not matmul.supports((num_rows, num_cols)):
+        return gguf_int4.quantized_head(head)
+    rows = head.data.ctypes.data + torch.arange(num_rows) * head.data.shape[1]
+    return matmul.pack_gguf_q8(rows, num_cols, placed.take(num_rows * num_cols * 17 // 16))
 
 
 def _int4(parts: list[GGUFTensor], config: ModelConfig) -> Int4Weight:

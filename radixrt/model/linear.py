@@ -110,13 +110,19 @@ def packed(weight: cpu.PackedWeight, bias: torch.Tensor | None = None) -> Linear
     return linear
 
 
-def lm_head(weight: Int4Weight | Int8Weight, dtype: torch.dtype) -> Linear:
-    """float32 logits `x @ w.T` for a GGUF file's own 4- or 8-bit LM head (CPU only).
+def lm_head(weight: Int4Weight | Int8Weight | cpu.PackedWeight, dtype: torch.dtype) -> Linear:
+    """float32 logits `x @ w.T` for a GGUF file's own 4- or 8-bit LM head (CPU only); one already
+    in radixrt's layout (`QuantizedMatmul.pack_gguf_q8`) is used as it is.
 
     radixrt's kernel multiplies by an 8-bit head as it is (a `PackedLMHead`); torch's 4-bit
     kernel takes it as two 4-bit weights (`Int8Weight.as_int4_pair`), each
     product rounded to `dtype` and the two added in float32.
     """
+    if isinstance(weight, cpu.PackedWeight):
+        matmul = cpu.quantized_matmul()
+        if matmul is None or dtype != torch.bfloat16:
+            raise ValueError("a head in radixrt's packed layout needs its kernel: bf16 on an AVX512-BF16 CPU")
+        return PackedLMHead(matmul, weight)
     kernel = _own_kernel(weight, dtype)
     if kernel is None:
         parts = weight.as_int4_pair() if isinstance(weight, Int8Weight) else [weight]

@@ -355,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
             layer.use_int4(weights)
         self.finish_int4(native.lm_head)
 
-    def finish_int4(self, head: Int4Weight | Int8Weight | None, quantized_embedding: bool = False,
+    def finish_int4(self, head: Int4Weight | Int8Weight | cpu.PackedWeight | None, quantized_embedding: bool = False,
                     placed: huge_pages.SideBySide | None = None) -> None:
         """Once every layer that has 4-bit projections got them (`LlamaDecoderLayer.use_int4`): the
         LM head as the file stores it (None: a type without a kernel, it stays dense), the packed
@@ -365,21 +365,22 @@ class LlamaForCausalLM(nn.Module):
         dequantized as looked up and the dense table is dropped (the caller need not fill it);
         otherwise the dense embedding stays, only looked up. `placed`: the buffer every layer's
         packed weights were already written into (`huge_pages.SideBySide`), whose last slot
-        takes a packed head."""
+        takes a packed head (a head already in the kernel's layout is in its slot)."""
         self._native = True
         if head is not None:
-            if head.shape != tuple(self.lm_head.shape):
-                raise ValueError(f"quantized LM head shape {head.shape}, model expects {tuple(self.lm_head.shape)}")
+            shape = packed_shape(head) if isinstance(head, cpu.PackedWeight) else head.shape
+            if shape != tuple(self.lm_head.shape):
+                raise ValueError(f"quantized LM head shape {shape}, model expects {tuple(self.lm_head.shape)}")
             self._invariant_lm_head = linear.lm_head(head, self.dtype)
             self._lm_head = self._invariant_lm_head
-        if (quantized_embedding and head is not None
-                and self.embedding_runs_quantized(8 if isinstance(head, Int8Weight) else 4, head.shape)):
+        if quantized_embedding and head is not None and self.embedding_runs_quantized(
+                head.bits if isinstance(head, cpu.PackedWeight) else 8 if isinstance(head, Int8Weight) else 4, shape):
             self._quantized_embedding = True
             self.embed_tokens = self.lm_head = _weight(0, self.config.hidden_size, device=self.device, dtype=self.dtype)
         packed_head = self._invariant_lm_head
         if placed is None:
             self._packed_weights_side_by_side()
-        elif isinstance(packed_head, linear.PackedLMHead):
+        elif isinstance(packed_head, linear.PackedLMHead) and not isinstance(head, cpu.PackedWeight):
             packed_head.packed = packed_head.packed._replace(data=placed.place(packed_head.packed.data))
         attention = self._attention_kinds
         if len(attention) == 1 and attention[0].sliding_window is None and attention[0].logit_softcap is None:

@@ -253,6 +253,9 @@ class QuantizedMatmul:
         self._pack_gguf = library.radixrt_pack_gguf_q4_rows
         self._pack_gguf.argtypes = [pointer, pointer, i64, i64, pointer, i32]  # rows, kinds, N, K, out, threads
         self._pack_gguf.restype = i32
+        self._pack_gguf_q8 = library.radixrt_pack_gguf_q8_rows
+        self._pack_gguf_q8.argtypes = [pointer, i64, i64, pointer, i32]  # rows, N, K, out, threads
+        self._pack_gguf_q8.restype = i32
 
     def supports(self, shape: tuple[int, int]) -> bool:
         """Whether a [N, K] weight fits the layout: N a multiple of 16 rows, K of 32 inputs."""
@@ -287,6 +290,20 @@ class QuantizedMatmul:
             raise ValueError(f"pack_gguf_q4: rows must be Q4_0 or Q4_1 and the shape whole tiles, got ({num_rows}, "
                              f"{num_cols})")
         return PackedWeight(data.view(tiles, groups, 320), 4, num_rows)
+
+    def pack_gguf_q8(self, rows: torch.Tensor, num_cols: int, out: torch.Tensor | None = None) -> PackedWeight:
+        """GGUF Q8_0 rows in the 8-bit layout straight from their blocks (`pack_gguf.c`): what
+        `pack_int8` makes of the same codes and scales. `rows` [N] int64 addresses (kept alive by
+        the caller); `out`: N * K * 17 / 16 bytes to write into."""
+        num_rows = rows.numel()
+        tiles, groups = self._tiles_of(num_rows, num_cols)
+        data = torch.empty(tiles * groups * 544, dtype=torch.uint8) if out is None else out
+        if data.numel() != tiles * groups * 544 or not data.is_contiguous() or data.dtype != torch.uint8:
+            raise ValueError(f"out must be {tiles * groups * 544} contiguous bytes")
+        rows = rows.to(torch.int64).contiguous()
+        if self._pack_gguf_q8(rows.data_ptr(), num_rows, num_cols, data.data_ptr(), _threads()):
+            raise ValueError(f"pack_gguf_q8: the shape must be whole tiles, got ({num_rows}, {num_cols})")
+        return PackedWeight(data.view(tiles, groups, 544), 8, num_rows)
 
     def pack_int8(self, codes: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
         """w = codes * scales (codes [N, K] int8; scales [N, K // 32], exact in fp16) in the kernel's layout."""

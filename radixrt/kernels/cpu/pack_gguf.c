@@ -80,3 +80,29 @@ int radixrt_pack_gguf_q4_rows(const int64_t *rows, const uint8_t *kinds, int64_t
     }
     return status ? -1 : 0;
 }
+
+/*
+ * GGUF Q8_0 rows (per group of 32: d fp16 | 32 int8 codes, w = d q) into the 8-bit layout: per
+ * tile and group 8 vectors of 64 bytes, byte 4n + j of vector c = q[n][4c + j] + 128, then the 16
+ * rows' fp16 scales. rows [num_rows] addresses; out [num_rows / 16, num_cols / 32, 544] bytes.
+ * Returns 0, -2 for a shape that is not whole tiles.
+ */
+int radixrt_pack_gguf_q8_rows(const int64_t *rows, int64_t num_rows, int64_t num_cols, uint8_t *out,
+                              int num_threads) {
+    if (num_rows % PACK_TILE_ROWS || num_cols % PACK_GROUP) return -2;
+    const int64_t tiles = num_rows / PACK_TILE_ROWS, groups = num_cols / PACK_GROUP, block_bytes = 8 * 64 + 32;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *block = out + (t * groups + g) * block_bytes;
+            for (int n = 0; n < PACK_TILE_ROWS; n++) {
+                const uint8_t *src = (const uint8_t *)(intptr_t)rows[t * PACK_TILE_ROWS + n] + g * 34;
+                memcpy(block + 512 + 2 * n, src, 2);
+                for (int c = 0; c < 8; c++)
+                    for (int j = 0; j < 4; j++)
+                        block[64 * c + 4 * n + j] = (uint8_t)(src[2 + 4 * c + j] ^ 0x80);  /* int8 q + 128 */
+            }
+        }
+    }
+    return 0;
+}
