@@ -28,7 +28,8 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     out["greedy_agreement"] = workloads.get("greedy_agreement")
     out["errors"] = [f"{stage}/{key}: {value['error']}" for stage, result in results.items()
                      for key, value in result.items() if isinstance(value, dict) and "error" in value]  # fmt: skip
-    out["errors"] += [f"{s['name']}: {s['error']}" for s in report["stages"] if s.get("error")]
+    out["errors"] += [f"{s['name']}: {s['error']}" for s in report["stages"] if s.get("error") and s["status"] != "skipped"]
+    out["skipped"] = [f"{s['name']}: {s['error']}" for s in report["stages"] if s["status"] == "skipped"]
     return out
 
 
@@ -75,6 +76,8 @@ def summary_table(report: dict[str, Any]) -> str:
         lines.append(f"  cache on vs off {key}: {value:.2f}x" if value else f"  cache on vs off {key}: n/a")
     for key, value in (s["greedy_agreement"] or {}).items():
         lines.append(f"  greedy agreement {key}: {value:.2f}")
+    for skip in s["skipped"]:
+        lines.append(f"  skipped {skip}")
     for error in s["errors"][:12]:
         lines.append(f"  ERROR {error[:200]}")
     return "\n".join(lines)

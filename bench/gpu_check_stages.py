@@ -160,14 +160,22 @@ def stage_correctness(ctx: Context) -> None:
     for name in s.models:
         config = models.MODELS[name]
         model = models.random_model(config, ctx.device, s.dtype)
+        exact = models.random_model(config, ctx.device, torch.float32) if s.dtype != torch.float32 else None
+        if exact is not None:  # the same weights, rounded once: what bf16 itself costs
+            with torch.no_grad():
+                for low, high in zip(model.parameters(), exact.parameters()):
+                    high.copy_(low)
         for page_size in (1, 16):
             steps = _correctness_steps(s, config.vocab_size, page_size)
             reference = _run_steps(model, "torch", steps, page_size, ctx)
+            if exact is not None:
+                attempt(ctx, f"{name}/page{page_size}/torch_vs_float32",
+                        lambda: _compare(reference, _run_steps(exact, "torch", steps, page_size, ctx)))
             for backend in ctx.backends:
                 if backend != "torch":
                     attempt(ctx, f"{name}/page{page_size}/{backend}",
                             lambda b=backend: _compare(_run_steps(model, b, steps, page_size, ctx), reference))
-        del model
+        del model, exact
         _empty_cache(ctx)
 
 
@@ -213,7 +221,7 @@ def _run_steps(model: Any, backend_name: str, steps: list, page_size: int, ctx: 
 
     config = model.config
     num_slots = 1 + max(int(slots.max()) for _, _, slot_lists in steps for slots in slot_lists)
-    cache = KVCache(config.kv_shape(ctx.settings.dtype), num_slots, ctx.device)
+    cache = KVCache(config.kv_shape(model.dtype), _whole_pages(num_slots), ctx.device)
     runner = ModelRunner(model, cache, models.make_backend(backend_name, cache, config, page_size))
     logits = []
     for new, prefix, slots in steps:
@@ -316,13 +324,25 @@ def _page_aligned_slots(num_seqs: int, length: int) -> list[torch.Tensor]:
 def _runner(ctx: Context, model: Any, backend: str, num_slots: int) -> Any:
     from radixrt.model.runner import ModelRunner
 
-    cache = KVCache(model.config.kv_shape(ctx.settings.dtype), num_slots, ctx.device)
+    cache = KVCache(model.config.kv_shape(ctx.settings.dtype), _whole_pages(num_slots), ctx.device)
     return ModelRunner(model, cache, models.make_backend(backend, cache, model.config, BENCH_PAGE_SIZE))
+
+
+def _whole_pages(num_slots: int) -> int:
+    """A pool of whole pages (FlashInfer views it as [pages, page_size, heads, dim])."""
+    return -(-num_slots // BENCH_PAGE_SIZE) * BENCH_PAGE_SIZE
 
 
 def _empty_cache(ctx: Context) -> None:
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def stage_hang(ctx: Context) -> None:
+    """Not a stage of the check: one that never ends, for the test of the timeout path."""
+    ctx.put("started", True)
+    while True:
+        time.sleep(1)
 
 
 # ---------------------------------------------------------------- flashinfer
