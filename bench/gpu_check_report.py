@@ -17,7 +17,11 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
         "overran": [s["name"] for s in report["stages"] if s.get("overran")],
     }  # fmt: skip
     out["correctness"] = {k: v for k, v in results.get("correctness", {}).items() if isinstance(v, dict)}
-    out["gpu_tests"] = results.get("gpu_tests", {}).get("counts")
+    tests = results.get("gpu_tests", {})
+    live = tests.get("live_counts")  # a run killed at its timeout has only these
+    out["gpu_tests"] = tests.get("counts") or (live and {
+        "tests": sum(live.values()), "passed": live.get("passed", 0), "failed": live.get("failed", 0),
+        "errors": live.get("errors", 0), "skipped": live.get("skipped", 0), "unexpected_skips": "?", "partial": True})
     out["prefill_tokens_per_s"] = _pick(results.get("prefill", {}), "tokens_per_s")
     out["decode_tokens_per_s"] = _pick(results.get("decode", {}), "tokens_per_s")
     hbm = results.get("hbm", {})

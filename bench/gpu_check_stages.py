@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -79,18 +80,20 @@ class Context:
     backends: tuple[str, ...]  # measured; "torch" is also every comparison's reference
     out_dir: Path
     result_path: Path
+    pytest_k: str | None = None  # gpu_tests: pytest -k
     result: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
         return torch.device(self.settings.device)
 
-    def put(self, key: str, value: Any) -> None:
+    def put(self, key: str, value: Any, echo: bool = True) -> None:
         self.result[key] = value
         tmp = self.result_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.result, indent=1, default=str))
         tmp.replace(self.result_path)
-        print(f"  {key}: {json.dumps(value, default=str)[:300]}", flush=True)
+        if echo:
+            print(f"  {key}: {json.dumps(value, default=str)[:300]}", flush=True)
 
 
 def attempt(ctx: Context, key: str, fn: Callable[[], Any]) -> Any:
@@ -122,6 +125,8 @@ def stage_env(ctx: Context) -> None:
         found = importlib.util.find_spec(name) is not None if name not in sys.modules or sys.modules[name] else False
         packages[name] = _version(name) if found else None
     ctx.put("packages", packages)
+    ctx.put("nvcc_path", shutil.which("nvcc"))
+    ctx.put("CUDA_HOME", os.environ.get("CUDA_HOME"))
     for tool, args in (("nvidia-smi", ["--query-gpu=name,driver_version,memory.total,clocks.sm", "--format=csv,noheader"]),
                        ("nvcc", ["--version"])):  # fmt: skip
         ctx.put(tool, _run_tool(tool, args))
@@ -351,6 +356,10 @@ def stage_hang(ctx: Context) -> None:
 def stage_flashinfer_jit(ctx: Context) -> None:
     """FlashInfer compiles its kernels on first use: one mixed step per model shape (and dtype)
     here, so the later stages time kernels, not the compiler. The stage's timeout caps it."""
+    nvcc = shutil.which("nvcc") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/nvcc")), None)
+    if "CUDA_HOME" not in os.environ and nvcc:  # where FlashInfer's JIT looks for nvcc and the CUDA headers
+        os.environ["CUDA_HOME"] = str(Path(nvcc).resolve().parent.parent)
+    ctx.put("CUDA_HOME", os.environ.get("CUDA_HOME"))
     for name in ctx.settings.models:
         config = models.MODELS[name]
         attempt(ctx, f"{name}/first_step_s", lambda c=config: _first_flashinfer_step(ctx, c))

@@ -132,18 +132,40 @@ def stage_gpu_tests(ctx: Context) -> None:
     # only the files that hold GPU tests: the others may import what the machine lacks (fastapi)
     files = sorted(str(p) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
     args = ["-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}", *files]
+    if ctx.pytest_k:
+        args[:0] = ["-k", ctx.pytest_k]
     workers = ctx.settings.pytest_workers
     if workers and importlib.util.find_spec("xdist") is not None:
         args[:0] = ["-n", str(workers)]
     ctx.put("pytest_args", args)
     started = time.perf_counter()
-    code = pytest.main(args)
+    code = pytest.main(args, plugins=[_LiveCounts(ctx)])
     ctx.put("exit_code", int(code))
     ctx.put("wall_s", time.perf_counter() - started)
     counts = junit_counts(xml_path)
     ctx.put("counts", counts)
     if int(code) not in (0, 5) or counts["failed"] or counts["errors"]:  # 5: none collected/selected
         raise RuntimeError(f"pytest exit code {int(code)}: {counts['failed']} failed, {counts['errors']} errors")
+
+
+class _LiveCounts:
+    """Outcomes as the tests finish (xdist forwards its workers' reports here), so a run
+    killed at its timeout still reports how far it got; the JUnit report is written only at the end."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.counts: Counter[str] = Counter()
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        if report.failed:
+            self.counts["failed" if report.when == "call" else "errors"] += 1
+        elif report.skipped:
+            self.counts["skipped"] += 1
+        elif report.when == "call":
+            self.counts["passed"] += 1
+        else:
+            return
+        self.ctx.put("live_counts", dict(self.counts), echo=False)
 
 
 def junit_counts(xml_path: Any) -> dict[str, Any]:
