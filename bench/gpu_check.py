@@ -24,6 +24,7 @@ import datetime
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,8 +148,8 @@ def run_parent(out_dir: Path, dry_run: bool, stages: list[str], backends: tuple[
             _write(json_path, report, started)
         report["summary"] = summary(report)
         _write(json_path, report, started)
-        table = summary_table(report)
-        _say(log, table)
+        _say(log, summary_table(report))
+    shutil.rmtree(work_dir, ignore_errors=True)
     failed = [s["name"] for s in report["stages"] if s["status"] not in ("ok", "skipped")]
     return 1 if failed else 0
 

@@ -85,7 +85,8 @@ class Context:
 
     @property
     def device(self) -> torch.device:
-        return torch.device(self.settings.device)
+        """With its index on CUDA: a model's device is "cuda:0", and ModelRunner wants the pool's equal."""
+        return torch.device("cuda", 0) if self.settings.device == "cuda" else torch.device(self.settings.device)
 
     def put(self, key: str, value: Any, echo: bool = True) -> None:
         self.result[key] = value
