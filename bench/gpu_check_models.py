@@ -140,7 +140,7 @@ def gpu_backends_on_cpu() -> Iterator[None]:
             return registry._load(name)(kv_cache, *args, **kwargs)
         return original(name, kv_cache, *args, **kwargs)
 
-    driver.create_backend = create  # type: ignore[assignment]
+    driver.create_backend = create
     try:
         yield
     finally:

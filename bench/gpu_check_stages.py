@@ -98,7 +98,8 @@ class Context:
 
 
 def attempt(ctx: Context, key: str, fn: Callable[[], Any]) -> Any:
-    """Run one item; on an error record {"error": message} under `key` and go on."""
+    """Run one item now (so a closure over loop variables is safe); on an error record
+    {"error": message} under `key` and go on."""
     try:
         value = fn()
     except Exception as error:  # noqa: BLE001 - the point is to report any failure and continue
@@ -134,7 +135,7 @@ def stage_env(ctx: Context) -> None:
     # every module the stages import, so a missing package shows here first
     for module in ("radixrt", "radixrt.runtime", "radixrt.benchmarks.drivers", "radixrt.kernels.triton_backend",
                    "radixrt.kernels.triton_attention"):  # fmt: skip
-        attempt(ctx, f"import {module}", lambda m=module: __import__(m) and "ok")
+        attempt(ctx, f"import {module}", lambda: __import__(module) and "ok")
 
 
 def _version(name: str) -> str:
@@ -180,7 +181,7 @@ def stage_correctness(ctx: Context) -> None:
             for backend in ctx.backends:
                 if backend != "torch":
                     attempt(ctx, f"{name}/page{page_size}/{backend}",
-                            lambda b=backend: _compare(_run_steps(model, b, steps, page_size, ctx), reference))
+                            lambda: _compare(_run_steps(model, backend, steps, page_size, ctx), reference))
         del model, exact
         _empty_cache(ctx)
 
@@ -273,7 +274,7 @@ def stage_prefill(ctx: Context) -> None:
         new = torch.randint(256, config.vocab_size, (prompts, length)).tolist()
         slots = _page_aligned_slots(prompts, length)
         for backend in ctx.backends:
-            attempt(ctx, f"{name}/{backend}", lambda b=backend: _time_prefill(ctx, model, b, new, slots))
+            attempt(ctx, f"{name}/{backend}", lambda: _time_prefill(ctx, model, backend, new, slots))
         del model
         _empty_cache(ctx)
 
@@ -295,7 +296,7 @@ def stage_decode(ctx: Context) -> None:
         for batch_size in s.decode_batches:
             for backend in ctx.backends:
                 attempt(ctx, f"{name}/{backend}/batch{batch_size}",
-                        lambda b=backend: _time_decode(ctx, model, b, batch_size))  # fmt: skip
+                        lambda: _time_decode(ctx, model, backend, batch_size))  # fmt: skip
         del model
         _empty_cache(ctx)
 
@@ -363,7 +364,7 @@ def stage_flashinfer_jit(ctx: Context) -> None:
     ctx.put("CUDA_HOME", os.environ.get("CUDA_HOME"))
     for name in ctx.settings.models:
         config = models.MODELS[name]
-        attempt(ctx, f"{name}/first_step_s", lambda c=config: _first_flashinfer_step(ctx, c))
+        attempt(ctx, f"{name}/first_step_s", lambda: _first_flashinfer_step(ctx, config))
 
 
 def _first_flashinfer_step(ctx: Context, config: Any) -> float:

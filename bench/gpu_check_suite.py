@@ -35,7 +35,7 @@ def stage_workloads(ctx: Context) -> None:
     for backend in ctx.backends:
         for cache in (True, False):
             key = f"{backend}/cache_{'on' if cache else 'off'}"
-            attempt(ctx, key, lambda b=backend, c=cache, k=key: _run_system(ctx, loaded, built, b, c, outputs, k))
+            attempt(ctx, key, lambda: _run_system(ctx, loaded, built, backend, cache, outputs, key))
     ctx.put("cache_speedup", {
         f"{b}/{w.name}": _ratio(ctx.result, f"{b}/cache_off", f"{b}/cache_on", w.name) for b in ctx.backends for w in built
     })  # fmt: skip
