@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -358,13 +359,42 @@ def stage_hang(ctx: Context) -> None:
 def stage_flashinfer_jit(ctx: Context) -> None:
     """FlashInfer compiles its kernels on first use: one mixed step per model shape (and dtype)
     here, so the later stages time kernels, not the compiler. The stage's timeout caps it."""
-    nvcc = shutil.which("nvcc") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/nvcc")), None)
-    if "CUDA_HOME" not in os.environ and nvcc:  # where FlashInfer's JIT looks for nvcc and the CUDA headers
-        os.environ["CUDA_HOME"] = str(Path(nvcc).resolve().parent.parent)
-    ctx.put("CUDA_HOME", os.environ.get("CUDA_HOME"))
+    ctx.put("build", _prepare_flashinfer_build())
     for name in ctx.settings.models:
         config = models.MODELS[name]
         attempt(ctx, f"{name}/first_step_s", lambda: _first_flashinfer_step(ctx, config))
+
+
+def _prepare_flashinfer_build() -> dict[str, Any]:
+    """Where FlashInfer's JIT (ninja, nvcc, c++) finds CUDA: CUDA_HOME, taken as a folder with
+    bin/nvcc and include/cuda_runtime.h (`nvcc` on the PATH may be a wrapper script, whose
+    parent's parent is no CUDA home: seen on the CPU machine); and an unversioned libcuda.so
+    for `-lcuda`, linked into a folder on LIBRARY_PATH where only the driver's libcuda.so.1 is."""
+    nvcc = shutil.which("nvcc")
+    if "CUDA_HOME" not in os.environ:
+        candidates = [Path("/usr/local/cuda"), *sorted(Path("/usr/local").glob("cuda-*"))]
+        candidates += [Path(nvcc).resolve().parent.parent] if nvcc else []
+        home = next((c for c in candidates
+                     if (c / "bin" / "nvcc").is_file() and (c / "include" / "cuda_runtime.h").is_file()), None)  # fmt: skip
+        if home is not None:
+            os.environ["CUDA_HOME"] = str(home)
+    home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    found: dict[str, Any] = {"nvcc": nvcc, "CUDA_HOME": os.environ.get("CUDA_HOME")}
+    dirs = [home / "lib64" / "stubs", home / "lib64", Path("/usr/local/nvidia/lib64"), Path("/usr/lib/x86_64-linux-gnu"),
+            Path("/usr/lib64"), *(Path(p) for p in os.environ.get("LIBRARY_PATH", "").split(os.pathsep) if p)]  # fmt: skip
+    unversioned = next((d / "libcuda.so" for d in dirs if (d / "libcuda.so").exists()), None)
+    found["libcuda.so"] = str(unversioned) if unversioned else None
+    if unversioned is None:
+        versioned = next((d / "libcuda.so.1" for d in dirs if (d / "libcuda.so.1").exists()), None)
+        if versioned is None:
+            listed = _run_tool("sh", ["-c", "ldconfig -p | grep -m1 'libcuda.so.1 ' | sed 's/.*=> //'"])
+            versioned = Path(listed) if listed.startswith("/") else None
+        if versioned is not None:
+            folder = Path(tempfile.mkdtemp(prefix="gpu_check_libcuda_"))
+            (folder / "libcuda.so").symlink_to(versioned)
+            os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("LIBRARY_PATH")]))
+            found["libcuda.so"] = f"{folder / 'libcuda.so'} -> {versioned}"
+    return found
 
 
 def _first_flashinfer_step(ctx: Context, config: Any) -> float:
