@@ -394,7 +394,28 @@ def _prepare_flashinfer_build() -> dict[str, Any]:
             (folder / "libcuda.so").symlink_to(versioned)
             os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("LIBRARY_PATH")]))
             found["libcuda.so"] = f"{folder / 'libcuda.so'} -> {versioned}"
+    found["curand headers"] = _curand_headers(home / "include")
     return found
+
+
+def _curand_headers(cuda_include: Path) -> str | None:
+    """FlashInfer's sm90 prefill includes cutlass headers that include curand_kernel.h, which a
+    trimmed CUDA toolkit may lack (the CPU machine's does); torch's CUDA wheels bring it as the
+    pip package nvidia-curand. Its headers alone (not that package's whole include folder, whose
+    CUDA headers may differ from nvcc's) go to every nvcc call through NVCC_APPEND_FLAGS."""
+    if (cuda_include / "curand_kernel.h").is_file():
+        return str(cuda_include)
+    import site
+
+    roots = [*sys.path, *site.getsitepackages()]
+    found = next((h.parent for r in roots if r for h in Path(r).glob("nvidia/*/include/curand_kernel.h")), None)
+    if found is None:
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="gpu_check_curand_"))
+    for header in found.glob("curand*.h"):
+        (folder / header.name).symlink_to(header)
+    os.environ["NVCC_APPEND_FLAGS"] = f"{os.environ.get('NVCC_APPEND_FLAGS', '')} -I{folder}".strip()
+    return f"{folder} -> {found}"
 
 
 def _first_flashinfer_step(ctx: Context, config: Any) -> float:
