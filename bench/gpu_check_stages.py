@@ -360,9 +360,41 @@ def stage_flashinfer_jit(ctx: Context) -> None:
     """FlashInfer compiles its kernels on first use: one mixed step per model shape (and dtype)
     here, so the later stages time kernels, not the compiler. The stage's timeout caps it."""
     ctx.put("build", _prepare_flashinfer_build())
+    head_dims = tuple(sorted({models.MODELS[name].head_dim for name in ctx.settings.models}))
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(ctx.device) == (9, 0)
+    attempt(ctx, "modules", lambda: build_flashinfer_modules(ctx.settings.dtype, head_dims, hopper))
     for name in ctx.settings.models:
         config = models.MODELS[name]
         attempt(ctx, f"{name}/first_step_s", lambda: _first_flashinfer_step(ctx, config))
+
+
+def build_flashinfer_modules(dtype: torch.dtype, head_dims: tuple[int, ...], hopper: bool) -> dict[str, Any]:
+    """Compile, side by side, the modules radixrt's FlashInfer backend loads on its first steps
+    (else they compile one after another inside them): the paged prefill (FA3 on Hopper, what
+    the wrapper's "auto" picks there), the CUDA-core decode (GQA < 4) and the FA2 prefill that
+    decode uses with tensor cores (GQA >= 4). Seconds per module, or its error. The wrappers then
+    find them built (same generators, same arguments as flashinfer 0.7.2's wrappers pass)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashinfer.jit.attention import modules as jit_modules
+
+    specs = {}
+    for d in head_dims:
+        args = (dtype, dtype, dtype, torch.int32, d, d, 0, False, False)  # no rope, window or soft-cap
+        for backend in ("fa3", "fa2") if hopper else ("fa2",):
+            specs[f"prefill_{backend}_d{d}"] = jit_modules.gen_batch_prefill_module(backend, *args, False)
+        specs[f"decode_d{d}"] = jit_modules.gen_batch_decode_module(*args)
+
+    def build(spec: Any) -> float | str:
+        started = time.perf_counter()
+        try:
+            spec.build(verbose=False)
+        except Exception as error:  # noqa: BLE001 - reported per module
+            return f"{type(error).__name__}: {str(error)[-1500:]}"
+        return round(time.perf_counter() - started, 1)
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        return dict(zip(specs, pool.map(build, specs.values())))
 
 
 def _prepare_flashinfer_build() -> dict[str, Any]:
