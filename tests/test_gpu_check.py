@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path.append(str(BENCH))  # after the real packages: no bench file shadows one
 
 import gpu_check  # noqa: E402
 
