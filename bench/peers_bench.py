@@ -26,7 +26,8 @@ same for every system; every request generates exactly its new tokens):
   JSON       16 records of a 10-field JSON Schema (structured_bench.py's), greedy, all at once,
              each system's own constraint path (radixrt's llguidance masks and jump-forward,
              vLLM's structured outputs with its default backend, llama.cpp's GBNF from the
-             schema); outputs differ in length, so the table adds generated tokens / s
+             schema); outputs differ in length, so the table adds generated tokens / s;
+             then the first 4 records one request at a time (an agent's loop)
   start-up   construction to the first answered 1-token request (imports excluded)
 
 Every system and repetition runs in a fresh process (bench/peers_worker.py),
@@ -77,6 +78,7 @@ ROWS = (  # (result key, label)
     ("fork_s", "fork, 8 samples"),
     ("chat_s", "chat, all turns"),
     ("structured_s", "JSON schema, 10 fields"),
+    ("structured_one_by_one_s", "JSON schema, one record at a time"),
     ("startup_s", "start-up"),
 )
 
@@ -99,12 +101,13 @@ class Sizes:
     chat_new_tokens: int = 32
     structured_records: int = 16
     structured_new_tokens: int = 200
+    structured_one_by_one: int = 4
 
 
 FULL = Sizes()
 QUICK = Sizes(table_tokens=300, table_new_tokens=8, few_shot_prefix_tokens=200, few_shot_questions=4,
               few_shot_new_tokens=8, fork_tokens=100, fork_samples=4, fork_new_tokens=8, chat_system_tokens=80,
-              chats=2, chat_turns=2, chat_new_tokens=8, structured_records=2)
+              chats=2, chat_turns=2, chat_new_tokens=8, structured_records=2, structured_one_by_one=2)
 
 _FIRST = ("Ada", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Keiko", "Liam",
           "Maya", "Nils", "Olga", "Pedro", "Rania", "Stefan", "Tomas", "Vera")
@@ -232,7 +235,8 @@ def build_work(tokenizer: Any, sizes: Sizes) -> tuple[dict[str, Any], dict[str, 
     prompts = _Prompts(tokenizer, sizes)
     table, few_shot, fork, chat = prompts.table(), prompts.few_shot(), prompts.fork(), prompts.chat()
     structured = {"prompts": [prompts.user_turn(person_request(i)) for i in range(sizes.structured_records)],
-                  "schema": TEN_FIELDS, "new_tokens": sizes.structured_new_tokens}
+                  "schema": TEN_FIELDS, "new_tokens": sizes.structured_new_tokens,
+                  "one_by_one": sizes.structured_one_by_one}
     work = {"startup": prompts.user_turn("Say hello."),
             "warmup": [[prompts.user_turn(f"Name a fruit that starts with {letter}.") for letter in "ABCD"]],
             "table": table, "few_shot": few_shot, "fork": fork, "chat": chat, "structured": structured}
@@ -248,6 +252,8 @@ def build_work(tokenizer: Any, sizes: Sizes) -> tuple[dict[str, Any], dict[str, 
                   f"{_longest_chat(chat) - sizes.chat_new_tokens:,}-token prompts, {sizes.chat_new_tokens} new",
         "structured_s": f"{sizes.structured_records} records at once, greedy, each system's own JSON-schema "
                         f"constraint (at most {sizes.structured_new_tokens} tokens)",
+        "structured_one_by_one_s": f"the first {sizes.structured_one_by_one} of them, each request after the "
+                                   "one before (an agent's loop)",
         "startup_s": "construction to a first 1-token answer",
     }
     return work, shapes
@@ -385,11 +391,12 @@ def report(results: dict[str, list[dict[str, Any]]], failures: dict[str, str], s
         reused, prompt = median(system, "chat_reused_tokens"), median(system, "chat_prompt_tokens")
         reuse.append("n/a" if reused is None or not prompt else f"{reused / prompt:.1%} of {prompt:,.0f}")
     lines.append(f"| chat: prompt tokens reused | | {' | '.join(reuse)} |")
-    throughput = []
-    for system in systems:
-        seconds, tokens = median(system, "structured_s"), median(system, "structured_tokens")
-        throughput.append("-" if not seconds or tokens is None else f"{tokens / seconds:.0f} tok/s")
-    lines.append(f"| JSON schema: generated tokens / s | | {' | '.join(throughput)} |")
+    for label, key in (("", "structured"), (", one at a time", "structured_one_by_one")):
+        throughput = []
+        for system in systems:
+            seconds, tokens = median(system, f"{key}_s"), median(system, f"{key}_tokens")
+            throughput.append("-" if not seconds or tokens is None else f"{tokens / seconds:.0f} tok/s")
+        lines.append(f"| JSON schema{label}: generated tokens / s | | {' | '.join(throughput)} |")
     kind = f"medians of {runs}" if runs > 1 else "1 run"
     note = (f"Seconds, {kind}; (Nx) = peer seconds / radixrt seconds, above 1 when radixrt is faster. "
             f"{os.cpu_count()} cores; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "

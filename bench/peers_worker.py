@@ -282,6 +282,12 @@ def _structured(system: Adapter, structured: dict[str, Any]) -> dict[str, float]
     result["structured_s"] = time.perf_counter() - start
     result["structured_tokens"] = sum(len(r.output_ids) for r in records)
     result["structured_complete"] = sum(len(r.output_ids) < structured["new_tokens"] for r in records)
+    # an agent's shape: one record at a time, each request waiting for the one before
+    start = time.perf_counter()
+    singles = [system.generate_json([prompt], structured["schema"], structured["new_tokens"])[0]
+               for prompt in structured["prompts"][: structured["one_by_one"]]]  # fmt: skip
+    result["structured_one_by_one_s"] = time.perf_counter() - start
+    result["structured_one_by_one_tokens"] = sum(len(r.output_ids) for r in singles)
     return result
 
 
