@@ -22,10 +22,12 @@ import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+if TYPE_CHECKING:
+    from gguf.constants import GGMLQuantizationType
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -51,6 +53,8 @@ class GGUFTensor:
 
     @property
     def qtype(self) -> GGMLQuantizationType:
+        from gguf.constants import GGMLQuantizationType
+
         return GGMLQuantizationType[self.type_name]
 
     @property
@@ -107,6 +111,10 @@ class GGUFFile:
 
     def _check_layout(self, infos: list[tuple[str, tuple[int, ...], int, int]], start: int,
                       alignment: int) -> dict[str, GGUFTensor]:
+        # gguf (a dependency) knows every ggml type's block; imported here, not with radixrt: a
+        # machine without it still runs everything but GGUF files
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
         tensors: dict[str, GGUFTensor] = {}
         spans = []
         for name, dims, type_id, offset in infos:
