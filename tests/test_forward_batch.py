@@ -38,3 +38,13 @@ def test_malformed_batches_are_refused_by_name():
         ForwardBatch.build([[]], [0], [torch.arange(0)])
     with pytest.raises(ValueError, match=r"sequence 1: kv_slots has 2 entries, expected prefix 2 \+ new 1"):
         ForwardBatch.build([[1], [2]], [0, 2], [torch.arange(1), torch.arange(2)])
+
+
+def test_a_pool_on_cuda_matches_a_model_on_the_current_cuda_device(monkeypatch):
+    from radixrt.model.runner import _same_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _same_device(torch.device("cuda"), torch.device("cuda:0"))
+    assert not _same_device(torch.device("cuda"), torch.device("cuda:1"))
+    assert not _same_device(torch.device("cpu"), torch.device("cuda:0"))
+    assert _same_device(torch.device("cpu"), torch.device("cpu"))

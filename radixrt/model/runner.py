@@ -74,7 +74,7 @@ class ModelRunner:
             )
         if shape.dtype != model.dtype:
             raise ValueError(f"kv_cache dtype {shape.dtype} must be the model's dtype {model.dtype}")
-        if kv_cache.device != model.device:
+        if not _same_device(kv_cache.device, model.device):
             raise ValueError(f"kv_cache is on {kv_cache.device}, the model on {model.device}")
         if backend.kv_cache is not kv_cache:
             raise ValueError("backend must be built over the same kv_cache")
@@ -132,3 +132,13 @@ class ModelRunner:
         finally:
             if wanted != previous:  # the thread count is the process's: leave it as found
                 torch.set_num_threads(previous)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """"cuda" and "cuda:0" are one device when the current device is 0: torch compares them unequal."""
+    def resolved(device: torch.device) -> torch.device:
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    return a.type == b.type and (a.type != "cuda" or resolved(a) == resolved(b))
