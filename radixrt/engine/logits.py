@@ -25,7 +25,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from radixrt.engine.request import Request
-from radixrt.sampling.grammar import new_bitmask
+from radixrt.sampling.grammar import disallow, new_bitmask
 from radixrt.sampling.sampler import Sampler, TokenMasks, top_tokens
 
 
@@ -54,13 +54,8 @@ def fill_row_mask(req: Request, allowed: torch.Tensor, row: int, num_output: int
     if num_output >= req.params.min_new_tokens:
         return
     before = allowed[row].clone() if req.grammar is not None else None
-    words = allowed[row]
-    for token in (*req.params.stop_token_ids, *req.eos_token_ids):
-        word, bit = divmod(token, 32)
-        if word < words.numel():
-            value = int(words[word]) & ~(1 << bit) & 0xFFFFFFFF
-            words[word] = value - (1 << 32) if value >= 1 << 31 else value
-    if before is not None and not bool(words.any()):
+    disallow(allowed[row], (*req.params.stop_token_ids, *req.eos_token_ids))
+    if before is not None and not bool(allowed[row].any()):
         allowed[row] = before
 
 

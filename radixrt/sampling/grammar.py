@@ -18,7 +18,7 @@ import functools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -40,6 +40,15 @@ def bitmask_words(vocab_size: int) -> int:
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """A bitmask allowing every token: [rows, words] int32, every bit set."""
     return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+def disallow(words: torch.Tensor, token_ids: Iterable[int]) -> None:
+    """Clear the bits of `token_ids` in one bitmask row (int32 words); ids past its width are ignored."""
+    for token in token_ids:
+        word, bit = divmod(token, 32)
+        if word < words.numel():
+            keep = ~(1 << bit)  # as an int32: bit 31's complement is 0x7FFFFFFF
+            words[word] &= keep + (1 << 32) if keep < -(1 << 31) else keep
 
 
 class Matcher:

@@ -92,6 +92,16 @@ def _schema_text(spec: Any) -> str:
     unknown = sorted(set(map(str, spec)) - _JSON_SCHEMA_KEYS)
     if unknown:
         raise ValueError(f"{where}: takes name, schema, strict and description; got unknown {', '.join(unknown)}")
+    check_definition(where, spec)
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"{where}.schema must be a JSON Schema object, got {schema!r}")
+    return _json_text(f"{where}.schema", schema)
+
+
+def check_definition(where: str, spec: Mapping[str, Any]) -> str:
+    """The `name` of an OpenAI schema or function definition, checked with its optional `strict`
+    and `description`; ValueError naming `where`'s field."""
     name = spec.get("name")
     if not isinstance(name, str) or not SCHEMA_NAME.match(name):
         raise ValueError(f"{where}.name must be 1 to 64 letters, digits, '_' or '-' (OpenAI's rule), got {name!r}")
@@ -99,10 +109,7 @@ def _schema_text(spec: Any) -> str:
         raise ValueError(f"{where}.strict must be true, false or null, got {spec['strict']!r}")
     if spec.get("description") is not None and not isinstance(spec["description"], str):
         raise ValueError(f"{where}.description must be a string, got {spec['description']!r}")
-    schema = spec.get("schema")
-    if not isinstance(schema, Mapping):
-        raise ValueError(f"{where}.schema must be a JSON Schema object, got {schema!r}")
-    return _json_text(f"{where}.schema", schema)
+    return name
 
 
 def _json_text(where: str, value: Mapping[str, Any]) -> str:

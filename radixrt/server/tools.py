@@ -21,14 +21,12 @@ Syntaxes (`--tool-call-parser`, or read from the chat template when it names non
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from radixrt.sampling.grammar import JSON_FORMAT
+from radixrt.server.constraints import check_definition
 from radixrt.server.tool_parsers import HERMES_BEGIN, HERMES_END, PYTHON_TAG
 
-# OpenAI's rule for function names.
-FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3_json")
 TOOL_CHOICES = ('"none"', '"auto"', '"required"', '{"type": "function", "function": {"name": ...}}')
 
@@ -60,15 +58,9 @@ def parse_functions(tools: Any) -> list[Function]:
         spec = tool.get("function")
         if not isinstance(spec, Mapping):
             raise ValueError(f"{where}.function must be an object {{\"name\", \"description\", \"parameters\"}}")
-        name = spec.get("name")
-        if not isinstance(name, str) or not FUNCTION_NAME.match(name):
-            raise ValueError(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}")
+        name = check_definition(f"{where}.function", spec)
         if any(f.name == name for f in functions):
             raise ValueError(f"{where}.function.name: {name!r} is offered twice")
-        if spec.get("description") is not None and not isinstance(spec["description"], str):
-            raise ValueError(f"{where}.function.description must be a string")
-        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-            raise ValueError(f"{where}.function.strict must be true, false or null")
         parameters = spec.get("parameters")
         functions.append(Function(name, _check_schema(f"{where}.function.parameters", parameters)))
     return functions
