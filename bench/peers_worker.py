@@ -81,14 +81,13 @@ class RadixrtAdapter:
 
     def generate(self, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
                  n: int = 1, seed: int = 0) -> list[Completion]:
-        params = {"max_new_tokens": new_tokens, "temperature": temperature, "ignore_eos": True, "n": n, "seed": seed}
-        results = self.runtime.generate(input_ids=prompts, sampling_params=params)
-        assert isinstance(results, list)
-        return [Completion(r["output_ids"], r["meta_info"]["prompt_tokens"], r["meta_info"]["cached_tokens"])
-                for r in results]
+        return self._run(prompts, {"max_new_tokens": new_tokens, "temperature": temperature, "ignore_eos": True,
+                                   "n": n, "seed": seed})  # fmt: skip
 
     def generate_json(self, prompts: list[list[int]], schema: dict[str, Any], max_tokens: int) -> list[Completion]:
-        params = {"max_new_tokens": max_tokens, "temperature": 0, "json_schema": schema}
+        return self._run(prompts, {"max_new_tokens": max_tokens, "temperature": 0, "json_schema": schema})
+
+    def _run(self, prompts: list[list[int]], params: dict[str, Any]) -> list[Completion]:
         results = self.runtime.generate(input_ids=prompts, sampling_params=params)
         assert isinstance(results, list)
         return [Completion(r["output_ids"], r["meta_info"]["prompt_tokens"], r["meta_info"]["cached_tokens"])
