@@ -158,10 +158,10 @@ def test_the_packed_weights_lie_side_by_side_in_the_order_a_step_reads_them(head
     for weight in packed:
         assert weight.data.data_ptr() == at
         at += -(-weight.data.numel() // huge_pages.ALIGNMENT) * huge_pages.ALIGNMENT
-    table = headed_model._stack._weights
+    handle = headed_model._stack.weights(headed_model._embedding_table())
     for i, layer in enumerate(layers):
         steps = layer.int4_steps
-        assert table[i, [1, 2, 4, 5]].tolist() == [w.data.data_ptr() for w in steps.packed_weights()]
+        assert [handle.layer_addresses(i)[j] for j in (1, 2, 4, 5)] == [w.data.data_ptr() for w in steps.packed_weights()]
 
 
 def test_a_token_id_or_logit_row_out_of_range_is_refused_before_anything_is_written(headed_model):

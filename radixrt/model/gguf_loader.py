@@ -3,15 +3,20 @@
     file ──mmap──► GGUFFile ──► config + tokenizer: the start record, or transformers over the
        │                        metadata once (then recorded: `start_record`)
        │
-       ├─ projections the native kernels run (Q4_0/Q4_1)  ──► repacked into the kernel's layout
-       ├─ LM head the native kernels run (Q4_0/Q4_1/Q8_0) ──► kept as stored (`Int8Weight`/`Int4Weight`)
-       └─ everything else (norms, embedding, other types) ──► dequantized (gguf's reference
-          dequantizer, in row chunks) and rounded once to the model's dtype
+       ├─ projections, LM head and embedding in a     ──► repacked from the file's blocks into the
+       │  format with a packed layout (Q4_0, Q4_1,        formats' tile layouts (`cpu.PackedWeight`,
+       │  Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)             parts of several formats in one projection)
+       └─ everything else (norms, other types)       ──► dequantized (gguf's reference dequantizer,
+                                                         in row chunks), rounded once to the dtype
 
 `weights="dense"` dequantizes every tensor. `weights="native"` runs what it
-can quantized; a projection stored in a type without a kernel yet (K-quants,
-Q5_0/Q5_1, Q8_0 projections) is dequantized with one WARNING naming the
-types and tensors. Everything that can fail on the file or the machine
+can quantized: every projection, the LM head, and the embedding (its rows
+dequantized as a step looks them up; a tied one is the head's own tiles);
+a tensor stored in a type without a packed layout (Q2_K, Q3_K, IQ*), and
+the parts fused with it, are dequantized with one WARNING naming the types
+and tensors; a type gguf cannot dequantize either is refused by name.
+Without radixrt's packed kernels (a CPU without AVX512-BF16) only Q4_0/Q4_1
+projections and Q4_0/Q4_1/Q8_0 heads run quantized, on torch's kernel. Everything that can fail on the file or the machine
 (layout, architecture, tensor names and shapes, memory for the weights plus
 the KV pool) is checked before the model is allocated, so a bad file leaves
 nothing half-loaded behind.
@@ -74,16 +79,20 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
     """The model over the file's tensors as `plan` says (see the module docstring)."""
     if plan.fallback:
         logger.warning(
-            "%s: no native kernel yet for %s; these tensors (with the Q4_0/Q4_1 ones fused with them) are "
-            "dequantized to %s at load and run on the slower dense path (kernels for these types are coming)",
+            "%s: no packed kernel for %s on this machine; these tensors (with the parts fused with them) are "
+            "dequantized to %s at load and run on the slower dense path",
             file.path.name, "; ".join(f"{kind}: {_names(names)}" for kind, names in sorted(plan.fallback.items())),
             str(dtype).removeprefix("torch."),
         )
     model = LlamaForCausalLM(config, device=device, dtype=dtype, dense_projections=False)
-    quantized_embedding = plan.head is not None and plan.head.type_name == "Q8_0" and model.embedding_runs_quantized(
-        8, (plan.head.shape[0], plan.head.shape[1]))
+    head_format = None if plan.head is None else cpu.FORMATS.get(plan.head.type_name)
+    tied_lookup = (config.tie_word_embeddings and head_format is not None and plan.head is not None
+                   and model.embedding_runs_quantized(head_format, (plan.head.shape[0], plan.head.shape[1])))
+    embedding: bool | cpu.PackedWeight = tied_lookup
     with torch.no_grad():
-        if not quantized_embedding:  # else its rows are looked up in the head, the table never filled
+        if plan.embedding is not None:  # its rows are looked up as stored, the table never filled
+            embedding = _packed([plan.embedding], config, None)
+        elif not tied_lookup:  # else its rows are looked up in the head
             dequantize_into(model.embed_tokens, file.tensors["token_embd.weight"])
         dequantize_into(model.norm, file.tensors["output_norm.weight"])
         if not config.tie_word_embeddings:
@@ -103,35 +112,56 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
                     start += part.shape[0]
                 layer.set_dense_projection(fused, dense)
             layer.prepack()
-            if placed is not None:  # straight from the file's blocks into the buffer a step reads
-                layer.use_int4({fused: _packed(parts, config, placed) for fused, parts in plan.native[index].items()})
-            elif plan.native[index]:
-                layer.use_int4({fused: _int4(parts, config) for fused, parts in plan.native[index].items()})
+            if plan.native[index]:  # straight from the file's blocks (into the buffer a step reads)
+                layer.use_int4({fused: _packed(parts, config, placed) if _packs(parts, dtype) else _int4(parts, config)
+                                for fused, parts in plan.native[index].items()})  # fmt: skip
             file.release([part for parts in (*plan.native[index].values(), *plan.dense[index].values())
                           for part in parts])
     if any(plan.native) or plan.head is not None:
-        model.finish_int4(_head(plan.head, placed), quantized_embedding, placed)
-        file.release([] if plan.head is None else [plan.head])
+        model.finish_int4(_head(plan.head, placed, dtype, config), embedding, placed)
+        file.release([t for t in (plan.head, plan.embedding) if t is not None])
     huge_pages.release_free_heap()
     return model
+
+
+def native_runs(dtype: torch.dtype) -> Callable[[GGUFTensor], bool]:
+    """What `weights="native"` runs as stored at `dtype`: a format radixrt's packed kernels run at
+    that shape, and Q4_0/Q4_1 anywhere (torch's 4-bit kernel where radixrt's does not run)."""
+    return lambda tensor: tensor.type_name in gguf_int4.SUPPORTED_TYPES or _packs([tensor], dtype)
+
+
+def lookup_runs(dtype: torch.dtype) -> Callable[[GGUFTensor], bool]:
+    """Whether an (untied) embedding table is looked up as stored: its format packs at `dtype`."""
+    return lambda tensor: _packs([tensor], dtype)
 
 
 def _packed_buffer(plan: TensorPlan, dtype: torch.dtype) -> huge_pages.SideBySide | None:
     """The buffer every layer's packed weights (and a packed head) go into as they are built, in
     the order a step reads them, where every layer runs all four projections in radixrt's
-    kernel; else None (`finish_int4` then places what it can after the fact)."""
+    kernels; else None (`finish_int4` then places what it can after the fact)."""
     if not plan.native or not all(len(layer) == len(PROJECTIONS) for layer in plan.native):
         return None
-    shapes = [(sum(part.shape[0] for part in parts), parts[0].shape[1])
-              for layer in plan.native for parts in layer.values()]  # fmt: skip
-    if not all(linear.runs_own_kernel(shape, dtype) for shape in shapes):
+    projections = [parts for layer in plan.native for parts in layer.values()]
+    if not all(_packs(parts, dtype) for parts in projections):
         return None
-    sizes = [rows * cols * 5 // 8 for rows, cols in shapes]  # 320 bytes a tile of 16 rows by 32 inputs
+    sizes = [_packed_bytes(parts) for parts in projections]
     head = plan.head
-    if head is not None and linear.runs_own_kernel((head.shape[0], head.shape[1]), dtype):
-        head_bytes = 17 if head.type_name == "Q8_0" else 10  # 544 (8-bit) or 320 (4-bit) bytes a tile, per 512
-        sizes.append(head.shape[0] * head.shape[1] * head_bytes // 16)
+    if head is not None and _packs([head], dtype):
+        sizes.append(_packed_bytes([head]))
     return huge_pages.SideBySide(sizes)
+
+
+def _packs(parts: list[GGUFTensor], dtype: torch.dtype) -> bool:
+    """Whether every part runs in radixrt's packed kernels (its format, whole tiles of rows)."""
+    return all(part.type_name in cpu.FORMATS and linear.runs_format(cpu.FORMATS[part.type_name],
+                                                                     (part.shape[0], part.shape[1]), dtype)
+               for part in parts)  # fmt: skip
+
+
+def _packed_bytes(parts: list[GGUFTensor]) -> int:
+    matmul = cpu.quantized_matmul()
+    assert matmul is not None  # `_packs` asked
+    return sum(matmul.packed_bytes(cpu.FORMATS[part.type_name], (part.shape[0], part.shape[1])) for part in parts)
 
 
 def dequantize_into(destination: torch.Tensor, tensor: GGUFTensor, row_order: torch.Tensor | None = None) -> None:
@@ -156,33 +186,50 @@ def dequantize_into(destination: torch.Tensor, tensor: GGUFTensor, row_order: to
                              block.to(device=rows.device, dtype=rows.dtype))
 
 
-def _packed(parts: list[GGUFTensor], config: ModelConfig, placed: huge_pages.SideBySide) -> cpu.PackedWeight:
-    """A fused projection's Q4_0/Q4_1 parts in the kernel's layout, written into the next slot of
-    `placed` by `pack_gguf.c` from the rows' addresses in the mapped file (q/k rows reordered)."""
+def _packed(parts: list[GGUFTensor], config: ModelConfig,
+            placed: huge_pages.SideBySide | None) -> cpu.PackedWeight:
+    """A fused projection's parts (or a single tensor) in the kernels' packed layouts, written into
+    the next slot of `placed` (or a buffer of its own) straight from the rows' addresses in the
+    mapped file, q/k rows reordered: Q4_0/Q4_1 alone by `pack_gguf.c` in one 4-bit part, else one
+    part per run of tensors of one format (`format_matmul.h`)."""
     matmul = cpu.quantized_matmul()
-    assert matmul is not None  # `_packed_buffer` asked
-    addresses, kinds = [], []
+    assert matmul is not None  # `_packs` asked
+    num_rows, num_cols = sum(part.shape[0] for part in parts), parts[0].shape[1]
+    out = None if placed is None else placed.take(_packed_bytes(parts))
+    addresses = []
     for part in parts:
         order = _row_order(part, config)
         rows = torch.arange(part.shape[0]) if order is None else order
         addresses.append(part.data.ctypes.data + rows * part.data.shape[1])
-        kinds.append(torch.full((part.shape[0],), 1 if part.type_name == "Q4_1" else 0, dtype=torch.uint8))
-    num_rows, num_cols = sum(part.shape[0] for part in parts), parts[0].shape[1]
-    return matmul.pack_gguf_q4(torch.cat(addresses), torch.cat(kinds), num_cols, placed.take(num_rows * num_cols * 5 // 8))
+    if all(part.type_name in gguf_int4.SUPPORTED_TYPES for part in parts):
+        kinds = [torch.full((part.shape[0],), 1 if part.type_name == "Q4_1" else 0, dtype=torch.uint8) for part in parts]
+        return matmul.pack_gguf_q4(torch.cat(addresses), torch.cat(kinds), num_cols, out)
+    runs: list[tuple[int, list[torch.Tensor]]] = []
+    for part, rows in zip(parts, addresses):
+        format = cpu.FORMATS[part.type_name]
+        if runs and runs[-1][0] == format:
+            runs[-1][1].append(rows)
+        else:
+            runs.append((format, [rows]))
+    return matmul.pack_format([(format, torch.cat(rows)) for format, rows in runs], num_cols, out)
 
 
-def _head(head: GGUFTensor | None,
-          placed: huge_pages.SideBySide | None) -> Int4Weight | Int8Weight | cpu.PackedWeight | None:
-    """The file's LM head: a Q8_0 one written by `pack_gguf.c` into the last slot of `placed`
-    (where there is one), else as codes for `finish_int4` to pack."""
+def _head(head: GGUFTensor | None, placed: huge_pages.SideBySide | None, dtype: torch.dtype,
+          config: ModelConfig) -> Int4Weight | Int8Weight | cpu.PackedWeight | None:
+    """The file's LM head: in a packed layout written by the kernels (into the last slot of
+    `placed` where there is one), except Q4_0/Q4_1, kept as codes for `finish_int4` to pack; as
+    codes too where the packed kernels do not run it."""
     if head is None:
         return None
-    matmul = cpu.quantized_matmul()
-    num_rows, num_cols = head.shape[0], head.shape[1]
-    if placed is None or head.type_name != "Q8_0" or matmul is None or not matmul.supports((num_rows, num_cols)):
+    if head.type_name in gguf_int4.SUPPORTED_TYPES or not _packs([head], dtype):
         return gguf_int4.quantized_head(head)
-    rows = head.data.ctypes.data + torch.arange(num_rows) * head.data.shape[1]
-    return matmul.pack_gguf_q8(rows, num_cols, placed.take(num_rows * num_cols * 17 // 16))
+    if head.type_name == "Q8_0":
+        matmul = cpu.quantized_matmul()
+        assert matmul is not None  # `_packs` asked
+        rows = head.data.ctypes.data + torch.arange(head.shape[0]) * head.data.shape[1]
+        out = None if placed is None else placed.take(head.shape[0] * head.shape[1] * 17 // 16)
+        return matmul.pack_gguf_q8(rows, head.shape[1], out)
+    return _packed([head], config, placed)
 
 
 def _int4(parts: list[GGUFTensor], config: ModelConfig) -> Int4Weight:

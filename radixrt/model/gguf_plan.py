@@ -1,8 +1,10 @@
 """Which GGUF tensor goes where, and whether the model fits, decided before anything is allocated.
 
 `plan_tensors` checks every tensor's name and shape against the config and
-chooses, per fused projection and for the LM head, native (kept as stored)
-or dense (dequantized); `check_memory` compares the bytes that plan holds
+chooses, per fused projection and for the LM head, native (kept as stored:
+every part of a format the kernels run, `runs`) or dense (dequantized, one
+WARNING naming the types and tensors; a type gguf cannot dequantize either is
+a ValueError naming them); `check_memory` compares the bytes that plan holds
 once loaded, plus the KV pool the caller will allocate, with the memory
 available. Both raise ValueError naming the file (and tensor) and the numbers.
 """
@@ -20,6 +22,11 @@ from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
 from radixrt.model.gguf_int4 import LM_HEAD_TYPES, PROJECTIONS, SUPPORTED_TYPES
 
+# Whether the native path runs a tensor as stored (its type and shape); the default, without
+# radixrt's packed kernels: the types torch's 4-bit kernel takes.
+Runs = Callable[[GGUFTensor], bool]
+DENSE_TYPES = ("F32", "F16", "BF16")
+
 # Tensors transformers does not read either (llama.cpp's precomputed rope factors): skipped, as there.
 IGNORED = ("rope_freqs.weight",)
 
@@ -32,11 +39,17 @@ class TensorPlan:
     dense: list[dict[str, list[GGUFTensor]]]  # per layer: fused projection -> its parts, dequantized
     head: GGUFTensor | None  # the LM head kept as stored; None: dense (or tied to a dense embedding)
     fallback: dict[str, list[str]] = field(default_factory=dict)  # type -> tensors native could not run
+    embedding: GGUFTensor | None = None  # an untied embedding looked up as stored; None: dense (or the tied head)
 
 
-def plan_tensors(file: GGUFFile, config: ModelConfig, native: bool) -> TensorPlan:
+def plan_tensors(file: GGUFFile, config: ModelConfig, native: bool, runs: Runs | None = None,
+                 embedding_runs: Runs | None = None) -> TensorPlan:
     """Check every tensor's name and shape against `config`, and choose native or dense for each
-    projection and the LM head (ValueError naming a tensor that is missing, extra or mis-shaped)."""
+    projection, the LM head and (untied) the embedding: native where `runs` says every part runs
+    as stored (`embedding_runs` for the embedding's lookups). ValueError naming a tensor that is
+    missing, extra or mis-shaped, or whose type gguf cannot dequantize."""
+    if runs is None:
+        runs = _runs_torch_int4
     expected = _expected_shapes(config)
     missing = sorted(set(expected) - set(file.tensors))
     extra = sorted(set(file.tensors) - set(expected) - set(IGNORED) - {"output.weight"})
@@ -47,26 +60,50 @@ def plan_tensors(file: GGUFFile, config: ModelConfig, native: bool) -> TensorPla
         if file.tensors[name].shape != shape:
             raise ValueError(f"{file.path}: tensor {name} has shape {file.tensors[name].shape}, the config "
                              f"says {shape}")
+    _check_dequantizable(file)
     plan = TensorPlan([], [], None)
     for index in range(config.num_layers):
         native_layer: dict[str, list[GGUFTensor]] = {}
         dense_layer: dict[str, list[GGUFTensor]] = {}
         for fused, names in PROJECTIONS.items():
             parts = [file.tensors[f"blk.{index}.{name}.weight"] for name in names]
-            runs = all(part.type_name in SUPPORTED_TYPES for part in parts)
-            (native_layer if native and runs else dense_layer)[fused] = parts
-            if native and not runs:
+            every = all(runs(part) for part in parts)
+            (native_layer if native and every else dense_layer)[fused] = parts
+            if native and not every:
                 for part in parts:
-                    if part.type_name not in (*SUPPORTED_TYPES, "F32", "F16", "BF16"):
+                    if part.type_name not in DENSE_TYPES and not runs(part):
                         plan.fallback.setdefault(part.type_name, []).append(part.name)
         plan.native.append(native_layer)
         plan.dense.append(dense_layer)
     head = file.tensors["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
-    if native and head.type_name in LM_HEAD_TYPES:
+    if native and (runs(head) or head.type_name in LM_HEAD_TYPES):  # the latter: torch's kernels take them
         plan.head = head
-    elif native and head.type_name not in ("F32", "F16", "BF16"):
+    elif native and head.type_name not in DENSE_TYPES:
         plan.fallback.setdefault(head.type_name, []).append(f"{head.name} (as the LM head)")
+    embedding = file.tensors["token_embd.weight"]
+    if native and not config.tie_word_embeddings and embedding_runs is not None and embedding_runs(embedding):
+        plan.embedding = embedding
     return plan
+
+
+def _runs_torch_int4(tensor: GGUFTensor) -> bool:
+    return tensor.type_name in SUPPORTED_TYPES
+
+
+def _check_dequantizable(file: GGUFFile) -> None:
+    """ValueError naming the tensors of a type gguf has no dequantizer for (the dense path's reader)."""
+    import gguf.quants
+
+    known = {*DENSE_TYPES, *(qtype.name for qtype in gguf.quants._type_traits)}
+    unknown: dict[str, list[str]] = {}
+    for tensor in file.tensors.values():
+        if tensor.type_name not in known:
+            unknown.setdefault(tensor.type_name, []).append(tensor.name)
+    if unknown:
+        raise ValueError(f"{file.path}: no dequantizer for "
+                         + "; ".join(f"{kind}: {', '.join(names[:4])}" + (f" and {len(names) - 4} more"
+                                     if len(names) > 4 else "") for kind, names in sorted(unknown.items()))
+                         + f" (types radixrt reads: {', '.join(sorted(known))})")
 
 
 def check_memory(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -119,19 +156,38 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _loaded_bytes(file: GGUFFile, plan: TensorPlan, config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes the model holds once loaded: dense tensors in `dtype`, quantized ones in the kernel's
-    layout (4-bit: half a byte a weight and fp16 scale and offset per 32; 8-bit: a byte and a scale)."""
+    """Bytes the model holds once loaded: dense tensors in `dtype`, quantized ones in the kernels'
+    packed layouts (`_native_bytes`)."""
     element = torch.empty((), dtype=dtype).element_size()
     native = {t.name for layer in plan.native for parts in layer.values() for t in parts}
+    if plan.head is not None:
+        native.add(plan.head.name)
+    if plan.embedding is not None:
+        native.add(plan.embedding.name)
+    looked_up = plan.embedding is not None or (plan.head is not None and config.tie_word_embeddings
+                                               and dtype == torch.bfloat16
+                                               and _native_bytes(plan.head, exact=True) is not None)
     total = 0
     for name, tensor in file.tensors.items():
-        count = int(np.prod(tensor.shape))
         if name in native:
-            total += count // 2 + count // 32 * 4
-        elif plan.head is not None and tensor is plan.head:
-            total += count + count // 32 * 2
-            if config.tie_word_embeddings and not (plan.head.type_name == "Q8_0" and dtype == torch.bfloat16):
-                total += count * element  # the embedding's dense table (a tied Q8_0 head is looked up instead)
+            total += _native_bytes(tensor) or 0
+            if name == "token_embd.weight" and not looked_up:
+                total += int(np.prod(tensor.shape)) * element  # the embedding's dense table beside the tied head
         elif name not in IGNORED:
-            total += count * element
+            total += int(np.prod(tensor.shape)) * element
     return total
+
+
+def _native_bytes(tensor: GGUFTensor, exact: bool = False) -> int | None:
+    """A native tensor's bytes packed: in radixrt's layout for its format where that kernel runs,
+    else as torch's 4-bit kernel holds it (half a byte a weight, fp16 scale and offset per 32;
+    with `exact`, None there)."""
+    from radixrt.kernels import cpu
+
+    shape = (tensor.shape[0], int(np.prod(tensor.shape[1:])))
+    matmul = cpu.quantized_matmul()
+    format = cpu.FORMATS.get(tensor.type_name)
+    if matmul is not None and format is not None and matmul.format_runs(format, shape):
+        return matmul.packed_bytes(format, shape)
+    count = shape[0] * shape[1]
+    return None if exact else count // 2 + count // 32 * 4

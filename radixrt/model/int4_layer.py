@@ -1,8 +1,8 @@
-"""Decode-sized steps of a Llama model on native 4-bit weights, in C.
+"""Decode-sized steps of a Llama model on native quantized weights, in C.
 
 A batch-1 decode step of the bundled model is ~30 small torch ops a layer;
 their dispatch and allocations cost more than the arithmetic. With radixrt's
-4-bit kernel available, a plain Llama layer (no biases, no q/k norms, SwiGLU,
+quantized kernels available (any packed format, `cpu.PackedWeight`), a plain Llama layer (no biases, no q/k norms, SwiGLU,
 full rotary) runs its norms, projections, RoPE, SwiGLU and residual adds in
 `kernels/cpu/int4_layer.c`, rounding to bf16 where the torch layer does; only
 attention stays with the backend, so every backend and attention variant
@@ -93,20 +93,17 @@ class Int4DecodeStack:
 
     def __init__(self, kernel: cpu.DecodeStack, layers: Sequence[Int4LayerSteps], intermediate: int):
         self._kernel = kernel
-        self._layers = tuple(layers)  # keeps alive the weights the address table points at
-        self._weights = torch.tensor(
-            [[layer.input_norm.data_ptr(), layer.qkv.data.data_ptr(), layer.o.data.data_ptr(),
-              layer.post_attention_norm.data_ptr(), layer.gate_up.data.data_ptr(), layer.down.data.data_ptr()]
-             for layer in self._layers], dtype=torch.int64,
-        )  # fmt: skip
+        self._layers = tuple(layers)
         self._intermediate = intermediate
         self._run_kernel = cpu.decode_run()
+        # the model handle for the last (embedding, final norm, head) asked for, keeping them alive
+        self._handle: tuple[tuple[int, ...], cpu.StackWeights] | None = None
         # the last pools' address tables, for as long as those pools live
         self._pools: tuple[weakref.ref[KVCache], torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def create(layers: Sequence[Int4LayerSteps | None], intermediate: int) -> Int4DecodeStack | None:
-        """The stack over these layers, or None unless every layer has its 4-bit steps (alike in
+        """The stack over these layers, or None unless every layer has its packed steps (alike in
         heads and norm epsilon) and the kernel built."""
         kernel = cpu.decode_stack()
         steps = [layer for layer in layers if layer is not None]
@@ -116,6 +113,23 @@ class Int4DecodeStack:
             return None
         return Int4DecodeStack(kernel, steps, intermediate)
 
+    def weights(self, embedding: torch.Tensor | cpu.PackedWeight, final_norm: torch.Tensor | None = None,
+                head: cpu.PackedWeight | None = None) -> cpu.StackWeights:
+        """The kernels' model handle over the layers, `embedding` ([vocab, dim] bf16, or packed: its
+        rows dequantized as looked up), and the final norm and packed LM head; built once for
+        each (embedding, norm, head) in turn (a model passes the same ones at every step)."""
+        key = tuple(0 if t is None else t.data_ptr() for t in (
+            embedding if isinstance(embedding, torch.Tensor) else embedding.data, final_norm,
+            None if head is None else head.data))  # fmt: skip
+        if self._handle is None or self._handle[0] != key:
+            layers = [cpu.LayerWeights(layer.input_norm, layer.post_attention_norm, *layer.packed_weights())
+                      for layer in self._layers]  # fmt: skip
+            first = self._layers[0]
+            handle = self._kernel.weights(embedding, layers, final_norm, head, first.eps, first.heads,
+                                          self._intermediate)  # fmt: skip
+            self._handle = (key, handle)
+        return self._handle[1]
+
     def hidden_states(
         self, embedding: torch.Tensor | cpu.PackedWeight, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
         kv_cache: KVCache, segments: AttentionSegments, scale: float,
@@ -123,9 +137,9 @@ class Int4DecodeStack:
         """The step's hidden states after the last layer (before the final norm), [T, dim]: its
         tokens looked up in `embedding`, rotated with rows of `rope_tables` (`RotaryEmbedding.tables`),
         each layer's new K/V stored at `batch.out_slots` and attended with `segments`. `embedding`:
-        [vocab, dim] bf16, or a tied 8-bit LM head as packed (`cpu.embedding_table`)."""
+        [vocab, dim] bf16, or a packed weight (a tied LM head, or the file's own table)."""
         hidden = torch.empty(batch.num_tokens, self._layers[0].input_norm.shape[0], dtype=torch.bfloat16)
-        self._run(embedding, rope_tables, batch, kv_cache, segments, scale, hidden, None)
+        self._run(self.weights(embedding), rope_tables, batch, kv_cache, segments, scale, hidden, None)
         return hidden
 
     def logits(
@@ -136,8 +150,8 @@ class Int4DecodeStack:
         """float32 logits [len(logit_rows), head rows] of the step's rows `logit_rows` after the
         final norm, through the packed LM head: `hidden_states`, norm and head in the same call."""
         logits = torch.empty(logit_rows.shape[0], head.num_rows, dtype=torch.float32)
-        self._run(embedding, rope_tables, batch, kv_cache, segments, scale, None,
-                  (final_norm, head, logit_rows, logits))  # fmt: skip
+        self._run(self.weights(embedding, final_norm, head), rope_tables, batch, kv_cache, segments, scale, None,
+                  (logit_rows, logits))  # fmt: skip
         return logits
 
     def decode_run(
@@ -149,23 +163,21 @@ class Int4DecodeStack:
         (`cpu.DecodeRun`, `cpu.RunOutput`)."""
         assert self._run_kernel is not None  # built with the stack's own kernel
         k_pools, v_pools = self._pool_addresses(kv_cache)
-        first = self._layers[0]
         return self._run_kernel(
-            embedding, self._weights, k_pools, v_pools, kv_cache.k[0].shape[0], first.eps, first.heads,
-            self._intermediate, scale, rope_tables, final_norm, head, rows, sampling, num_steps, interrupt,
+            self.weights(embedding, final_norm, head), k_pools, v_pools, kv_cache.k[0].shape[0], scale, rope_tables,
+            rows, sampling, num_steps, interrupt,
         )  # fmt: skip
 
     def _run(
-        self, embedding: torch.Tensor | cpu.PackedWeight, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+        self, weights: cpu.StackWeights, rope_tables: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
         kv_cache: KVCache, segments: AttentionSegments, scale: float, hidden: torch.Tensor | None,
-        head: tuple[torch.Tensor, cpu.PackedWeight, torch.Tensor, torch.Tensor] | None,
+        logits: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
         k_pools, v_pools = self._pool_addresses(kv_cache)
-        first = self._layers[0]
         self._kernel(
-            batch.input_ids, embedding, hidden, self._weights, k_pools, v_pools, kv_cache.k[0].shape[0], first.eps,
-            first.heads, self._intermediate, scale, batch.positions, rope_tables, batch.out_slots, batch.kv_indices,
-            (segments.starts, segments.lens, segments.row_ptr, segments.rows), head,
+            weights, batch.input_ids, hidden, k_pools, v_pools, kv_cache.k[0].shape[0], scale, batch.positions,
+            rope_tables, batch.out_slots, batch.kv_indices,
+            (segments.starts, segments.lens, segments.row_ptr, segments.rows), logits,
         )  # fmt: skip
 
     def _pool_addresses(self, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,6 +153,13 @@ def runs_own_kernel(shape: tuple[int, int], dtype: torch.dtype) -> bool:
     return kernel is not None and kernel.supports(shape)
 
 
+def runs_format(format: int, shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether a [N, K] weight stored in `format` (a GGUF type number) runs radixrt's kernels packed:
+    bf16 activations, an AVX512-BF16 CPU, a format with a packed layout, whole tiles of rows."""
+    kernel = cpu.quantized_matmul() if dtype == torch.bfloat16 else None
+    return kernel is not None and kernel.format_runs(format, shape)
+
+
 def _own_kernel(weight: Int4Weight | Int8Weight, dtype: torch.dtype) -> cpu.QuantizedMatmul | None:
     """radixrt's quantized kernel (`kernels/cpu/quantized_matmul.c`) where it runs: bf16
     activations, an AVX512-BF16 CPU, a weight shape its layout takes. It multiplies by the file's

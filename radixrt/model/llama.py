@@ -83,8 +83,8 @@ StepPlan = Mapping[LayerAttention, Any] | StackedStep
 
 
 def packed_shape(weight: cpu.PackedWeight) -> tuple[int, int]:
-    """[rows, inputs] of a weight in radixrt's kernel layout ([tiles, groups, bytes])."""
-    return weight.num_rows, int(weight.data.shape[1]) * cpu.QuantizedMatmul.GROUP
+    """[rows, inputs] of a weight in radixrt's packed layouts."""
+    return weight.num_rows, weight.columns()
 
 
 def _packed_on_first_call(weight: torch.Tensor, bias: torch.Tensor | None = None) -> linear.Linear:
@@ -329,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
         ]
         self._lm_head = linear.plain(self.lm_head)
         self._stack: Int4DecodeStack | None = None  # set by use_int4_projections where it applies
-        self._quantized_embedding = False  # rows looked up in the tied 8-bit head (`finish_int4`)
+        self._packed_embedding: cpu.PackedWeight | None = None  # rows looked up quantized (`finish_int4`)
         self._native = False  # projections on 4-bit weights (use_int4_projections)
         # the head deterministic steps use, for every row count: the file's quantized one, or `linear.rowwise`
         self._invariant_lm_head: linear.Linear | None = None
@@ -355,15 +355,17 @@ class LlamaForCausalLM(nn.Module):
             layer.use_int4(weights)
         self.finish_int4(native.lm_head)
 
-    def finish_int4(self, head: Int4Weight | Int8Weight | cpu.PackedWeight | None, quantized_embedding: bool = False,
+    def finish_int4(self, head: Int4Weight | Int8Weight | cpu.PackedWeight | None,
+                    quantized_embedding: bool | cpu.PackedWeight = False,
                     placed: huge_pages.SideBySide | None = None) -> None:
         """Once every layer that has 4-bit projections got them (`LlamaDecoderLayer.use_int4`): the
         LM head as the file stores it (None: a type without a kernel, it stays dense), the packed
         weights side by side, and the whole-step kernel where every layer can run in it.
-        A quantized head serves every step. With `quantized_embedding`, a tied 8-bit head that
-        radixrt's kernel runs (`embedding_runs_quantized`) is the embedding too: rows are
-        dequantized as looked up and the dense table is dropped (the caller need not fill it);
-        otherwise the dense embedding stays, only looked up. `placed`: the buffer every layer's
+        A quantized head serves every step. With `quantized_embedding` True, a tied head that
+        radixrt's kernels run (`embedding_runs_quantized`) is the embedding too; given a packed
+        weight, that is the embedding (an untied model's table as the file stores it): either
+        way rows are dequantized as looked up and the dense table is dropped (the caller need
+        not fill it); otherwise the dense embedding stays, only looked up. `placed`: the buffer every layer's
         packed weights were already written into (`huge_pages.SideBySide`), whose last slot
         takes a packed head (a head already in the kernel's layout is in its slot)."""
         self._native = True
@@ -373,24 +375,33 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"quantized LM head shape {shape}, model expects {tuple(self.lm_head.shape)}")
             self._invariant_lm_head = linear.lm_head(head, self.dtype)
             self._lm_head = self._invariant_lm_head
-        if quantized_embedding and head is not None and self.embedding_runs_quantized(
-                head.bits if isinstance(head, cpu.PackedWeight) else 8 if isinstance(head, Int8Weight) else 4, shape):
-            self._quantized_embedding = True
-            self.embed_tokens = self.lm_head = _weight(0, self.config.hidden_size, device=self.device, dtype=self.dtype)
         packed_head = self._invariant_lm_head
+        if isinstance(quantized_embedding, cpu.PackedWeight):
+            if packed_shape(quantized_embedding) != tuple(self.embed_tokens.shape):
+                raise ValueError(f"packed embedding shape {packed_shape(quantized_embedding)}, model expects "
+                                 f"{tuple(self.embed_tokens.shape)}")
+            self._packed_embedding = quantized_embedding
+            self.embed_tokens = _weight(0, self.config.hidden_size, device=self.device, dtype=self.dtype)
+        elif (quantized_embedding and isinstance(packed_head, linear.PackedLMHead)
+              and self.config.tie_word_embeddings and not self.config.is_gemma):
+            self._packed_embedding = packed_head.packed
+            self.embed_tokens = self.lm_head = _weight(0, self.config.hidden_size, device=self.device, dtype=self.dtype)
         if placed is None:
             self._packed_weights_side_by_side()
         elif isinstance(packed_head, linear.PackedLMHead) and not isinstance(head, cpu.PackedWeight):
             packed_head.packed = packed_head.packed._replace(data=placed.place(packed_head.packed.data))
+        if self._packed_embedding is not None and isinstance(packed_head, linear.PackedLMHead) and (
+                self.config.tie_word_embeddings and not isinstance(quantized_embedding, cpu.PackedWeight)):
+            self._packed_embedding = packed_head.packed  # the head as placed, read by both
         attention = self._attention_kinds
         if len(attention) == 1 and attention[0].sliding_window is None and attention[0].logit_softcap is None:
             steps = [layer.int4_steps for layer in self._decoder_layers()]
             self._stack = Int4DecodeStack.create(steps, self.config.intermediate_size)
 
-    def embedding_runs_quantized(self, head_bits: int, head_shape: tuple[int, int]) -> bool:
-        """Whether the file's LM head can be the embedding too: tied, 8-bit, in radixrt's kernel layout."""
-        return (self.config.tie_word_embeddings and not self.config.is_gemma and head_bits == 8
-                and linear.runs_own_kernel(head_shape, self.dtype))
+    def embedding_runs_quantized(self, format: int, shape: tuple[int, int]) -> bool:
+        """Whether an embedding table of `format` (a GGUF type number) and `shape` can be looked up
+        quantized: a model without a scaled embedding (Gemma's), radixrt's kernels for that format."""
+        return not self.config.is_gemma and linear.runs_format(format, shape, self.dtype)
 
     def _packed_weights_side_by_side(self) -> None:
         """Every layer's packed 4-bit weights and the packed LM head moved into one buffer on
@@ -585,17 +596,17 @@ class LlamaForCausalLM(nn.Module):
                                       interrupt)
 
     def _embedding_table(self) -> torch.Tensor | cpu.PackedWeight:
-        """What token rows are looked up in: the dense embedding, or the tied 8-bit LM head as packed."""
-        head = self._invariant_lm_head
-        if self._quantized_embedding and isinstance(head, linear.PackedLMHead):
-            return head.packed
-        return self.embed_tokens
+        """What token rows are looked up in: the dense embedding, or a packed one (the tied LM head,
+        or the file's own table)."""
+        return self.embed_tokens if self._packed_embedding is None else self._packed_embedding
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         table = self._embedding_table()
         if isinstance(table, torch.Tensor):
             return F.embedding(ids, table)
-        return cpu.packed_int8_rows(table, ids.cpu()).to(self.dtype)
+        matmul = cpu.quantized_matmul()
+        assert matmul is not None  # a packed embedding is made only where it runs
+        return matmul.rows(table, ids.cpu().reshape(-1)).to(self.dtype).view(*ids.shape, -1)
 
     def _rope_tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.tables(max(batch.seq_lens), self.dtype)

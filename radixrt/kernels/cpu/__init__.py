@@ -27,7 +27,10 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
                         after its top-k/top-p/min-p filters, in a few passes,
                         instead of torch's ~10 ops a row and, for a wide
                         nucleus, a full sort.
-    int4_layer.c        a 4-bit Llama layer's work around attention (norms,
+    packed_matrix.c     a weight whose rows come in parts of different formats
+                        (a fused projection, llama.cpp's mixes) as one matrix
+                        of tiles: the products below take any format.
+    int4_layer.c        a quantized Llama layer's work around attention (norms,
                         projections, RoPE, SwiGLU, residuals) in two calls
                         instead of about thirty ops, for decode-sized steps.
     decode_stack.c      a whole step of such a model, token ids to logits,
@@ -66,6 +69,18 @@ from typing import NamedTuple
 
 import torch
 
+from radixrt.kernels.cpu.stack_model import (
+    FORMAT_Q4_1,
+    FORMAT_Q8_0,
+    FORMATS,
+    LayerWeights,
+    PackedMatrix,
+    PackedPart,
+    StackModel,
+    StackWeights,
+    TileBytes,
+    fill_matrix,
+)
 from radixrt.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -228,11 +243,23 @@ class RMSNorm:
 
 
 class PackedWeight(NamedTuple):
-    """A weight in `QuantizedMatmul`'s layout."""
+    """A weight in a packed layout: `QuantizedMatmul`'s own 4- or 8-bit one (`bits`), or the
+    formats' layouts (`format_matmul.h`), its rows in `parts` of one format each, lying one after
+    another in `data` (`stack_model`)."""
 
     data: torch.Tensor  # uint8
-    bits: int  # 4 or 8
+    bits: int  # 4 or 8: one part in quantized_matmul.c's own layout; 0: `parts` say
     num_rows: int
+    parts: tuple[PackedPart, ...] = ()
+    num_cols: int = 0  # with `parts` (the own layouts: [tiles, groups, bytes] data says)
+
+    def layout(self) -> tuple[PackedPart, ...]:
+        """The parts' formats (GGUF type numbers) and rows; the own 4-bit layout reads Q4_0 and
+        Q4_1 alike (an offset per group), so it is Q4_1's."""
+        return self.parts or (PackedPart(FORMAT_Q8_0 if self.bits == 8 else FORMAT_Q4_1, self.num_rows),)
+
+    def columns(self) -> int:
+        return self.num_cols if self.parts else int(self.data.shape[1]) * QuantizedMatmul.GROUP
 
 
 class QuantizedMatmul:
@@ -256,6 +283,73 @@ class QuantizedMatmul:
         self._pack_gguf_q8 = library.radixrt_pack_gguf_q8_rows
         self._pack_gguf_q8.argtypes = [pointer, i64, i64, pointer, i32]  # rows, N, K, out, threads
         self._pack_gguf_q8.restype = i32
+        self._pack_format = library.radixrt_pack_format_rows
+        self._pack_format.argtypes = [i32, pointer, i64, i64, pointer, i32]  # format, rows, N, K, out, threads
+        self._pack_format.restype = i32
+        self._matrix_fn = library.radixrt_matrix_matmul_bf16
+        self._matrix_fn.argtypes = [pointer, i64, i64, pointer, pointer, pointer, i32]  # x, stride, M, w, out, bf16, threads
+        self._matrix_fn.restype = i32
+        self._gather_fn = library.radixrt_matrix_gather_bf16
+        self._gather_fn.argtypes = [pointer, pointer, i64, pointer]  # w, ids, n, out
+        self._gather_fn.restype = i32
+        self.tile_bytes = TileBytes(library)
+        self._matrices: dict[tuple[int, tuple[PackedPart, ...], int], PackedMatrix] = {}
+
+    def format_runs(self, format: int, shape: tuple[int, int]) -> bool:
+        """Whether a [N, K] weight of `format` (a GGUF type number) has a packed layout here: whole
+        tiles of 16 rows of a format with a kernel."""
+        return shape[0] % self.TILE_ROWS == 0 and self.tile_bytes(format, shape[1]) > 0
+
+    def packed_bytes(self, format: int, shape: tuple[int, int]) -> int:
+        """The bytes a [N, K] weight of `format` takes packed (`format_runs` first)."""
+        return shape[0] // self.TILE_ROWS * self.tile_bytes(format, shape[1])
+
+    def pack_format(self, parts: Sequence[tuple[int, torch.Tensor]], num_cols: int,
+                    out: torch.Tensor | None = None) -> PackedWeight:
+        """Rows of GGUF blocks in the formats' packed layouts, straight from the blocks: `parts`, each
+        (format, [n] int64 addresses of its rows' blocks, kept alive by the caller), lie one after
+        another in `out` (or a new buffer) as one weight."""
+        sizes = [self.packed_bytes(format, (rows.numel(), num_cols)) for format, rows in parts]
+        for (format, rows), size in zip(parts, sizes):
+            if size <= 0:
+                raise ValueError(f"format {format} has no packed layout for ({rows.numel()}, {num_cols}) rows: "
+                                 f"rows must be whole tiles of {self.TILE_ROWS}")
+        data = torch.empty(sum(sizes), dtype=torch.uint8) if out is None else out
+        if data.numel() != sum(sizes) or not data.is_contiguous() or data.dtype != torch.uint8:
+            raise ValueError(f"out must be {sum(sizes)} contiguous bytes")
+        at = 0
+        for (format, rows), size in zip(parts, sizes):
+            rows = rows.to(torch.int64).contiguous()
+            status = self._pack_format(format, rows.data_ptr(), rows.numel(), num_cols, data[at:].data_ptr(),
+                                       _threads())
+            if status:
+                raise ValueError(f"pack_format_rows refused format {format} rows ({rows.numel()}, {num_cols}) "
+                                 f"(status {status})")
+            at += size
+        layout = tuple(PackedPart(format, rows.numel()) for format, rows in parts)
+        return PackedWeight(data, 0, sum(part.num_rows for part in layout), layout, num_cols)
+
+    def matrix(self, weight: PackedWeight) -> PackedMatrix:
+        """The kernels' description of `weight` (`stack_model.PackedMatrix`; the caller keeps the
+        weight alive). A description depends on the address, layout and width alone, so one made
+        for an equal key is reused: a layer's step asks for its four at every call."""
+        key = (weight.data.data_ptr(), weight.layout(), weight.columns())
+        matrix = self._matrices.get(key)
+        if matrix is None:
+            if len(self._matrices) >= 4096:
+                self._matrices.clear()
+            matrix = self._matrices[key] = PackedMatrix()
+            fill_matrix(matrix, weight, self.tile_bytes)
+        return matrix
+
+    def rows(self, weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` ([n] int64) of a packed weight as bf16 [n, K], each weight rounded once from its
+        exact value: what the whole-step kernels look an embedding row up as."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), weight.columns(), dtype=torch.bfloat16)
+        if self._gather_fn(ctypes.byref(self.matrix(weight)), ids.data_ptr(), ids.numel(), out.data_ptr()):
+            raise IndexError(f"a token id outside the embedding's rows 0 .. {weight.num_rows - 1}")
+        return out
 
     def supports(self, shape: tuple[int, int]) -> bool:
         """Whether a [N, K] weight fits the layout: N a multiple of 16 rows, K of 32 inputs."""
@@ -336,6 +430,14 @@ class QuantizedMatmul:
             out_f32, out_bf16 = 0, result.data_ptr()
         else:
             result, out_f32, out_bf16 = out, out.data_ptr(), 0
+        if weight.parts:
+            status = self._matrix_fn(x.data_ptr(), x.stride(0), rows, ctypes.byref(self.matrix(weight)), out_f32,
+                                     out_bf16, _threads())
+            if status == -2:
+                raise ValueError(f"the quantized matmul refused a weight of parts {weight.parts}")
+            if status:
+                raise MemoryError("quantized matmul kernel could not allocate its scratch")
+            return result
         status = self._fn(x.data_ptr(), x.stride(0), rows, weight.data.data_ptr(), weight.bits, weight.num_rows,
                           num_cols, out_f32, out_bf16, _threads())
         if status:
@@ -401,21 +503,22 @@ class RowwiseMatmul:
 
 
 class Int4Layer:
-    """`int4_layer.c`: a Llama layer's work before and after attention on `pack_int4`ed weights."""
+    """`int4_layer.c`: a Llama layer's work before and after attention on packed weights (`PackedWeight`)."""
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, matmul: QuantizedMatmul):
         pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        self._inputs = library.radixrt_int4_attention_inputs_bf16
+        self._matmul = matmul
+        self._inputs = library.radixrt_layer_attention_inputs_bf16
         self._inputs.argtypes = [
             pointer, i64, i64, pointer, f32,  # hidden, rows, dim, norm weight, eps
-            pointer, i64, pointer, pointer,  # qkv weight, its rows, cos, signed_sin
+            pointer, pointer, pointer,  # qkv matrix, cos, signed_sin
             i64, i64, pointer, i32,  # rotated heads, head_dim, qkv out, num_threads
         ]
         self._inputs.restype = i32
-        self._finish = library.radixrt_int4_finish_layer_bf16
+        self._finish = library.radixrt_layer_finish_bf16
         self._finish.argtypes = [
             pointer, pointer, i64, i64, i64, i64,  # hidden, attn, attn row stride, rows, dim, attn dim
-            pointer, pointer, f32, pointer, i64, pointer, i32,  # o, norm weight, eps, gate_up, intermediate, down, threads
+            pointer, pointer, f32, pointer, pointer, i32,  # o, norm weight, eps, gate_up, down matrices, threads
         ]
         self._finish.restype = i32
 
@@ -424,15 +527,14 @@ class Int4Layer:
         cos: torch.Tensor, signed_sin: torch.Tensor, rotated_heads: int, head_dim: int,
     ) -> torch.Tensor:
         """[T, qkv rows] bf16: rms_norm(hidden) @ w_qkv.T with RoPE on the first `rotated_heads` heads.
-        hidden [T, dim], cos and signed_sin [T, head_dim] rows: bf16, contiguous; 4-bit weights."""
+        hidden [T, dim], cos and signed_sin [T, head_dim] rows: bf16, contiguous; packed weights."""
         rows, dim = hidden.shape
         out = torch.empty(rows, qkv.num_rows, dtype=torch.bfloat16)
         status = self._inputs(
-            hidden.data_ptr(), rows, dim, norm_weight.data_ptr(), eps, qkv.data.data_ptr(), qkv.num_rows,
+            hidden.data_ptr(), rows, dim, norm_weight.data_ptr(), eps, ctypes.byref(self._matmul.matrix(qkv)),
             cos.data_ptr(), signed_sin.data_ptr(), rotated_heads, head_dim, out.data_ptr(), _threads(),
         )  # fmt: skip
-        if status:
-            raise MemoryError("4-bit layer kernel could not allocate its buffers")
+        _raise_for_layer_status(status, qkv)
         return out
 
     def finish(
@@ -440,16 +542,22 @@ class Int4Layer:
         gate_up: PackedWeight, down: PackedWeight,
     ) -> torch.Tensor:
         """`hidden` ([T, dim] bf16, contiguous) after the attention output `attn` ([T, heads * head_dim],
-        unit stride along a row) and the MLP are added to it, in place; returned. 4-bit weights."""
+        unit stride along a row) and the MLP are added to it, in place; returned. Packed weights."""
         rows, dim = hidden.shape
+        matrix = self._matmul.matrix
         status = self._finish(
-            hidden.data_ptr(), attn.data_ptr(), attn.stride(0), rows, dim, attn.shape[1], o.data.data_ptr(),
-            norm_weight.data_ptr(), eps, gate_up.data.data_ptr(), gate_up.num_rows // 2, down.data.data_ptr(),
-            _threads(),
+            hidden.data_ptr(), attn.data_ptr(), attn.stride(0), rows, dim, attn.shape[1], ctypes.byref(matrix(o)),
+            norm_weight.data_ptr(), eps, ctypes.byref(matrix(gate_up)), ctypes.byref(matrix(down)), _threads(),
         )  # fmt: skip
-        if status:
-            raise MemoryError("4-bit layer kernel could not allocate its buffers")
+        _raise_for_layer_status(status, o, gate_up, down)
         return hidden
+
+
+def _raise_for_layer_status(status: int, *weights: PackedWeight) -> None:
+    if status == -2:
+        raise ValueError(f"the layer kernel refused weights of layouts {[w.layout() for w in weights]}")
+    if status:
+        raise MemoryError("layer kernel could not allocate its buffers")
 
 
 class ProductBalance:
@@ -492,71 +600,62 @@ class ProductBalance:
 
 
 class DecodeStack:
-    """`decode_stack.c`: a whole step of a plain Llama model on `pack_int4`ed weights, token ids
-    to logits, for a few new tokens, in one call."""
-
-    WEIGHTS_PER_LAYER = 6  # input norm, qkv, o, post-attention norm, gate_up, down
+    """`decode_stack.c`: a whole step of a plain Llama model on packed weights (`StackWeights`),
+    token ids to logits, for a few new tokens, in one call."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._fn = library.radixrt_int4_decode_stack_bf16
-        pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._fn = library.radixrt_decode_stack_bf16
+        pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._fn.argtypes = [
-            pointer, pointer, i32, i64, pointer, i64, i64,  # token ids, embedding, bits, vocab, hidden, rows, dim
-            i32, pointer, pointer, pointer, i64,  # num_layers, layer weights, k pools, v pools, num_slots
-            f32, i32, i32, i32, i64, f32,  # eps, Hq, Hkv, D, intermediate, scale
-            pointer, pointer, pointer, i64,  # positions, cos, signed_sin, table rows
+            ctypes.POINTER(StackModel), pointer, i64, pointer, pointer,  # model, token ids, rows, hidden, positions
             pointer, pointer,  # out_slots, kv_indices
             i32, pointer, pointer, pointer, pointer,  # segments: count, starts, lens, row_ptr, rows
-            pointer, pointer, i32, i64,  # final norm, head, head bits, head rows
-            i64, pointer, pointer, pointer, i32,  # logit rows: count, rows; logits; balance; threads
+            i64, pointer, pointer, i32,  # logit rows: count, rows; logits; threads
         ]
         self._fn.restype = i32
         self.balance = ProductBalance(library)
+        self.tile_bytes = TileBytes(library)
+
+    def weights(self, embedding: PackedWeight | torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor | None,
+                head: PackedWeight | None, eps: float, heads: tuple[int, int, int], intermediate: int) -> StackWeights:
+        """The model handle these kernels read (`stack_model.StackWeights`, keeping the weights alive):
+        `embedding` [vocab, dim] bf16 or packed (its rows dequantized as looked up), every layer's
+        norms and packed projections, and with `head` the final norm and packed LM head."""
+        return StackWeights(self.tile_bytes, embedding, layers, final_norm, head, eps, heads, intermediate)
 
     def __call__(
-        self, token_ids: torch.Tensor, embedding: torch.Tensor | PackedWeight, hidden: torch.Tensor | None,
-        layer_weights: torch.Tensor,
-        k_pools: torch.Tensor, v_pools: torch.Tensor, num_slots: int, eps: float, heads: tuple[int, int, int],
-        intermediate: int, scale: float, positions: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
-        out_slots: torch.Tensor, kv_indices: torch.Tensor,
+        self, weights: StackWeights, token_ids: torch.Tensor, hidden: torch.Tensor | None, k_pools: torch.Tensor,
+        v_pools: torch.Tensor, num_slots: int, scale: float, positions: torch.Tensor,
+        rope_tables: tuple[torch.Tensor, torch.Tensor], out_slots: torch.Tensor, kv_indices: torch.Tensor,
         segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        head: tuple[torch.Tensor, PackedWeight, torch.Tensor, torch.Tensor] | None = None,
+        logits: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """`token_ids` ([T] rows of `embedding`: [vocab, dim] bf16, or a tied 8-bit LM head as
-        packed, its rows dequantized as looked up) through every layer into
-        `hidden` ([T, dim] bf16, contiguous); with `head` = (final norm, packed LM head, logit
-        rows, logits), also logits [N, head rows] float32 of the normed rows `logit rows` ([N]
-        rows of the step), and `hidden` may be None (the kernel's own buffer).
+        """`token_ids` ([T] rows of the embedding) through every layer into `hidden` ([T, dim] bf16,
+        contiguous); with `logits` = (logit rows, out), also out [N, head rows] float32, the LM
+        head's logits of the normed rows `logit rows` ([N] rows of the step), and `hidden` may be
+        None (the kernel's own buffer).
 
-        layer_weights: [layers, 6] int64 addresses (see WEIGHTS_PER_LAYER; the caller keeps
-        them alive); k_pools, v_pools: [layers] int64 addresses of [num_slots, Hkv, D] bf16 pools;
-        heads: (Hq, Hkv, D); rope_tables: (cos, signed_sin) [P, D] bf16, row p for position p;
-        positions: [T]; out_slots: [T], each row's new K/V slot; segments: (starts, lens,
-        row_ptr, rows) over kv_indices, as `kernels.segments` builds them. Every index tensor
-        int64 and contiguous. Raises IndexError, computing nothing, for a slot outside the pools,
-        a token id outside the embedding, a position outside the tables or a logit row outside
-        the step.
+        k_pools, v_pools: [layers] int64 addresses of [num_slots, Hkv, D] bf16 pools; rope_tables:
+        (cos, signed_sin) [P, D] bf16, row p for position p; positions: [T]; out_slots: [T], each
+        row's new K/V slot; segments: (starts, lens, row_ptr, rows) over kv_indices, as
+        `kernels.segments` builds them. Every index tensor int64 and contiguous. Raises
+        IndexError, computing nothing, for a slot outside the pools, a token id outside the
+        embedding, a position outside the tables or a logit row outside the step.
         """
-        num_q_heads, num_kv_heads, head_dim = heads
         starts, lens, row_ptr, rows = segments
-        cos, signed_sin = rope_tables
-        final_norm, packed, logit_rows, logits = (None, None, None, None) if head is None else head
-        table, bits, vocab, dim = embedding_table(embedding)
+        logit_rows, out = (None, None) if logits is None else logits
+        model = weights.model(k_pools, v_pools, num_slots, scale, rope_tables, self.balance.pointer)
         status = self._fn(
-            token_ids.data_ptr(), table, bits, vocab, None if hidden is None else hidden.data_ptr(),
-            token_ids.shape[0], dim, layer_weights.shape[0], layer_weights.data_ptr(), k_pools.data_ptr(),
-            v_pools.data_ptr(), num_slots, eps, num_q_heads, num_kv_heads, head_dim, intermediate, scale,
-            positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0],
-            out_slots.data_ptr(), kv_indices.data_ptr(),
+            ctypes.byref(model), token_ids.data_ptr(), token_ids.shape[0], None if hidden is None else hidden.data_ptr(),
+            positions.data_ptr(), out_slots.data_ptr(), kv_indices.data_ptr(),
             starts.numel(), starts.data_ptr(), lens.data_ptr(), row_ptr.data_ptr(), rows.data_ptr(),
-            None if final_norm is None else final_norm.data_ptr(), None if packed is None else packed.data.data_ptr(),
-            0 if packed is None else packed.bits, 0 if packed is None else packed.num_rows,
             0 if logit_rows is None else logit_rows.numel(), None if logit_rows is None else logit_rows.data_ptr(),
-            None if logits is None else logits.data_ptr(), self.balance.pointer, _threads(),
+            None if out is None else out.data_ptr(), _threads(),
         )  # fmt: skip
         if status == -6:
             raise IndexError(f"a logit row outside the step's rows 0 .. {token_ids.shape[0] - 1}")
-        _raise_for_stack_status(status, "decode stack", num_slots, vocab, cos.shape[0], heads)
+        heads = (model.num_q_heads, model.num_kv_heads, model.head_dim)
+        _raise_for_stack_status(status, "decode stack", num_slots, weights.vocab_rows, rope_tables[0].shape[0], heads)
 
 
 class RunRows(NamedTuple):
@@ -636,17 +735,14 @@ class RunOutput(NamedTuple):
 
 
 class DecodeRun:
-    """`decode_run.c`: up to k decode steps of a plain Llama model on `pack_int4`ed weights in one
-    call, each sampling the tokens of the next."""
+    """`decode_run.c`: up to k decode steps of a plain Llama model on packed weights (`StackWeights`)
+    in one call, each sampling the tokens of the next."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._fn = library.radixrt_int4_decode_run_bf16
-        pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._fn = library.radixrt_decode_run_bf16
+        pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._fn.argtypes = [
-            pointer, i32, i64, i64, i32, pointer,  # embedding, bits, vocab, dim, num_layers, layer weights
-            pointer, pointer, i64, f32, i32, i32,  # k pools, v pools, num_slots, eps, Hq, Hkv
-            i32, i64, f32, pointer, pointer,  # D, intermediate, scale, cos, signed_sin
-            i64, pointer, pointer, i32, i64,  # table rows, final norm, head, head bits, head rows
+            ctypes.POINTER(StackModel),  # the model (its head required)
             i64, pointer, pointer, pointer,  # rows, first tokens, first positions, slots
             pointer, pointer, pointer, i64,  # slot starts, owner, shared chunks, chunk
             pointer, pointer, pointer, pointer, pointer,  # temperatures, top_k, top_p, min_p, uniforms
@@ -654,26 +750,25 @@ class DecodeRun:
             pointer, pointer, pointer, i32, pointer,  # stop ptr, stop ids, interrupt, steps, tokens
             pointer, i32, pointer, pointer,  # logprobs, top count, top tokens, top logprobs
             pointer, i64, pointer, _ADVANCE,  # allowed, allowed words, masked, advance
-            pointer, i32,  # balance, threads
+            i32,  # threads
         ]
         self._fn.restype = i32
         self.balance = ProductBalance(library)
 
     def __call__(
-        self, embedding: torch.Tensor | PackedWeight, layer_weights: torch.Tensor, k_pools: torch.Tensor,
-        v_pools: torch.Tensor,
-        num_slots: int, eps: float, heads: tuple[int, int, int], intermediate: int, scale: float,
-        rope_tables: tuple[torch.Tensor, torch.Tensor], final_norm: torch.Tensor, head: PackedWeight,
-        rows: RunRows, sampling: RunSampling, num_steps: int, interrupt: ctypes.c_int32 | None = None,
+        self, weights: StackWeights, k_pools: torch.Tensor, v_pools: torch.Tensor, num_slots: int, scale: float,
+        rope_tables: tuple[torch.Tensor, torch.Tensor], rows: RunRows, sampling: RunSampling, num_steps: int,
+        interrupt: ctypes.c_int32 | None = None,
     ) -> RunOutput:
         """The n <= `num_steps` steps run (`RunOutput`): n stops at the first step where a row
         drew a stop token, or where `interrupt` (set from any thread) was nonzero. The model as
-        `DecodeStack` takes it; each step's K/V go to the rows' next slots. Raises IndexError,
+        `DecodeStack` takes it, with its head; each step's K/V go to the rows' next slots. Raises IndexError,
         computing nothing, for a slot outside the pools, a token id outside the embedding or a
         position outside the tables; ValueError for penalty counts not [B, head rows] int32 and
         contiguous, or top_logprobs outside 0 .. head rows."""
-        num_q_heads, num_kv_heads, head_dim = heads
-        cos, signed_sin = rope_tables
+        head = weights.head
+        if head is None:
+            raise ValueError("a decode run needs the model's LM head")
         batch = rows.first_tokens.shape[0]
         penalties = sampling.penalties
         for counts in () if penalties is None else (penalties.seen, penalties.output_counts):
@@ -704,13 +799,9 @@ class DecodeRun:
         top = sampling.top_logprobs
         top_tokens = torch.empty(num_steps, batch, top, dtype=torch.int64) if top else None
         top_logprobs = torch.empty(num_steps, batch, top, dtype=torch.float32) if top else None
-        table, bits, vocab, dim = embedding_table(embedding)
+        model = weights.model(k_pools, v_pools, num_slots, scale, rope_tables, self.balance.pointer)
         done = self._fn(
-            table, bits, vocab, dim, layer_weights.shape[0],
-            layer_weights.data_ptr(), k_pools.data_ptr(), v_pools.data_ptr(), num_slots, eps, num_q_heads,
-            num_kv_heads, head_dim, intermediate, scale, cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0],
-            final_norm.data_ptr(), head.data.data_ptr(), head.bits, head.num_rows,
-            batch, rows.first_tokens.data_ptr(), rows.first_positions.data_ptr(), rows.slots.data_ptr(),
+            ctypes.byref(model), batch, rows.first_tokens.data_ptr(), rows.first_positions.data_ptr(), rows.slots.data_ptr(),
             rows.slot_starts.data_ptr(), rows.owner.data_ptr(), rows.shared_chunks.data_ptr(), rows.chunk,
             sampling.temperatures.data_ptr(), sampling.top_k.data_ptr(), sampling.top_p.data_ptr(),
             sampling.min_p.data_ptr(), sampling.uniforms.data_ptr(),
@@ -720,38 +811,15 @@ class DecodeRun:
             logprobs.data_ptr(), top, None if top_tokens is None else top_tokens.data_ptr(),
             None if top_logprobs is None else top_logprobs.data_ptr(),
             None if masks is None else masks.allowed.data_ptr(), 0 if masks is None else masks.allowed.shape[1],
-            None if masks is None else masks.masked.data_ptr(), advance or _ADVANCE(), self.balance.pointer, _threads(),
+            None if masks is None else masks.masked.data_ptr(), advance or _ADVANCE(), _threads(),
         )  # fmt: skip
         if failure:
             raise failure[0]
         if done < 0:
-            _raise_for_stack_status(done, "decode run", num_slots, vocab, cos.shape[0], heads)
+            heads = (model.num_q_heads, model.num_kv_heads, model.head_dim)
+            _raise_for_stack_status(done, "decode run", num_slots, weights.vocab_rows, rope_tables[0].shape[0], heads)
         return RunOutput(tokens[:done], logprobs[:done], None if top_tokens is None else top_tokens[:done],
                          None if top_logprobs is None else top_logprobs[:done])
-
-
-def embedding_table(embedding: torch.Tensor | PackedWeight) -> tuple[int, int, int, int]:
-    """(address, bits, vocab rows, dim) of what the whole-step kernels look token rows up in: a
-    [vocab, dim] bf16 tensor, or an 8-bit weight in `QuantizedMatmul`'s layout (a tied LM head,
-    `pack_int8`'s [tiles, groups, 544] bytes)."""
-    if isinstance(embedding, PackedWeight):
-        if embedding.bits != 8 or embedding.data.dim() != 3:
-            raise ValueError(f"a packed embedding must be an 8-bit weight as pack_int8 lays it out, got {embedding.bits} bits")
-        return embedding.data.data_ptr(), 8, embedding.num_rows, embedding.data.shape[1] * QuantizedMatmul.GROUP
-    return embedding.data_ptr(), 16, embedding.shape[0], embedding.shape[1]
-
-
-def packed_int8_rows(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of an 8-bit weight in `QuantizedMatmul`'s layout, float32 q * d (exact): what the
-    whole-step kernels look up, for steps that run elsewhere."""
-    tiles, groups, _ = weight.data.shape
-    rows, within = ids // QuantizedMatmul.TILE_ROWS, ids % QuantizedMatmul.TILE_ROWS
-    blocks = weight.data[rows]  # [n, groups, 8 * 64 codes + 16 * 2 scale bytes]
-    picked = torch.arange(ids.numel())
-    codes = blocks[..., :512].reshape(-1, groups, 8, QuantizedMatmul.TILE_ROWS, 4)[picked, :, :, within]
-    scales = blocks[..., 512:].reshape(-1, groups, QuantizedMatmul.TILE_ROWS, 2)[picked, :, within].contiguous()
-    values = codes.reshape(-1, groups, 32).to(torch.int16) - 128
-    return (values.float() * scales.view(torch.float16).float()).reshape(-1, groups * 32)
 
 
 def _raise_for_stack_status(
@@ -931,7 +999,8 @@ def rowwise_matmul() -> RowwiseMatmul | None:
 def int4_layer() -> Int4Layer | None:
     """The compiled 4-bit layer parts; None wherever `quantized_matmul` is."""
     library = _load()
-    return None if library is None or not library.radixrt_quantized_matmul_available() else Int4Layer(library)
+    matmul = quantized_matmul()
+    return None if library is None or matmul is None else Int4Layer(library, matmul)
 
 
 def decode_stack() -> DecodeStack | None:

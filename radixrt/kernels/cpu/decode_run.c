@@ -89,7 +89,7 @@ static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positio
 }
 
 /*
- * The model as in radixrt_int4_decode_stack_bf16 (the head required); the batch: `rows`
+ * The model as in radixrt_decode_stack_bf16 (the head required); the batch: `rows`
  * sequences, row r's last token first_tokens[r] at first_positions[r] (its keys before the run
  * fill positions 0 .. first_positions[r] - 1), its slots slots[slot_starts[r] ..] for positions
  * 0 .. first_positions[r] + num_steps - 1, its whole chunks k < shared_chunks[r] read from row
@@ -107,33 +107,27 @@ static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positio
  * masks for step s + 1 from the tokens of step s and returns nonzero to end the run there. tokens, logprobs: [num_steps, rows], step
  * s's token of row r and its log-probability at temperature 1; with top_count > 0, top_tokens and
  * top_logprobs [num_steps, rows, top_count]: each step's most likely tokens of each row and their
- * log-probabilities (radixrt_top_row, after the penalties). balance: the caller's
- * ProductBalance (product_balance.c), learnt on across calls, or NULL.
+ * log-probabilities (radixrt_top_row, after the penalties).
  * Returns the steps run (1 .. num_steps: after the first stop token), or before computing
  * anything -1 for a shape the kernels do not take, -2 without memory, -3 for a slot outside the
  * pools, -4 for a token id outside the embedding, -5 for a position outside the tables.
  */
-int radixrt_int4_decode_run_bf16(
-    const void *embedding, int embedding_bits, int64_t vocab, int64_t dim, int num_layers,
-    const int64_t *layer_weights,
-    const int64_t *k_pools, const int64_t *v_pools, int64_t num_slots, float eps, int num_q_heads, int num_kv_heads,
-    int head_dim, int64_t intermediate, float scale, const uint16_t *cos, const uint16_t *signed_sin,
-    int64_t table_rows, const uint16_t *final_norm, const uint8_t *head, int head_bits, int64_t head_rows,
-    int64_t rows, const int64_t *first_tokens, const int64_t *first_positions, const int64_t *slots,
+int radixrt_decode_run_bf16(
+    const StackModel *m, int64_t rows, const int64_t *first_tokens, const int64_t *first_positions, const int64_t *slots,
     const int64_t *slot_starts, const int64_t *owner, const int64_t *shared_chunks, int64_t chunk,
     const float *temperatures, const int64_t *top_k, const float *top_p, const float *min_p, const double *uniforms,
     const float *repetition, const float *frequency, const float *presence, int32_t *seen, int32_t *output_counts,
     const int64_t *stop_ptr, const int64_t *stop_ids, const atomic_int *interrupt, int num_steps, int64_t *tokens,
     float *logprobs, int top_count, int64_t *top_tokens, float *top_logprobs, const int32_t *allowed,
-    int64_t allowed_words, const uint8_t *masked, int (*advance)(int step), ProductBalance *balance,
-    int num_threads
+    int64_t allowed_words, const uint8_t *masked, int (*advance)(int step), int num_threads
 ) {
-    const StackModel model = {
-        embedding, vocab, dim, num_layers, layer_weights, k_pools, v_pools, num_slots, eps, scale, num_q_heads,
-        num_kv_heads, head_dim, intermediate, cos, signed_sin, table_rows, final_norm, head, head_bits, head_rows,
-        balance, embedding_bits,
-    };
-    if (radixrt_stack_model_check(&model) || head == NULL || head_rows > vocab || rows < 1 || num_steps < 1 ||
+    const StackModel model = *m;
+    const int num_layers = model.num_layers, num_q_heads = model.num_q_heads, num_kv_heads = model.num_kv_heads;
+    const int head_dim = model.head_dim;
+    const int64_t num_slots = model.num_slots, table_rows = model.table_rows;
+    const int64_t vocab = model.embedding == NULL ? 0 : radixrt_matrix_rows(model.embedding);
+    const int64_t head_rows = model.head == NULL ? 0 : radixrt_matrix_rows(model.head);
+    if (radixrt_stack_model_check(&model) || model.head == NULL || head_rows > vocab || rows < 1 || num_steps < 1 ||
         chunk < 1 || top_count < 0 || top_count > head_rows ||
         (allowed != NULL && (masked == NULL || allowed_words * 32 < head_rows)))
         return -1;

@@ -1,5 +1,5 @@
 /*
- * A whole step of a plain Llama model on 4-bit weights, for a few new tokens
+ * A whole step of a plain Llama model on packed quantized weights, for a few new tokens
  * (a decode batch, a short extend), in one call and one OpenMP parallel
  * region: from token ids to the logits of the rows the caller samples.
  *
@@ -24,8 +24,10 @@
  *   logits = rms_norm(hidden[logit_rows]) @ head.T    rows split; tiles split (when a head is given)
  *
  * The arithmetic and its bf16 roundings are those of int4_layer.c,
- * decode_attention.c, rms_norm.c and quantized_matmul.c, so a step gets bit
- * for bit what the per-layer path computes (tests/test_decode_stack.py).
+ * decode_attention.c, rms_norm.c and the formats' kernels (packed_matrix.c), so
+ * a step gets bit for bit what the per-layer path computes
+ * (tests/test_decode_stack.py). A weight is a PackedMatrix (kernels.h): its
+ * format is data, and a fused projection may hold parts of several formats.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -34,8 +36,6 @@
 
 #include "kernels.h"
 #include "scalar.h"
-
-enum { INPUT_NORM, QKV, O, POST_NORM, GATE_UP, DOWN, LAYER_WEIGHTS };
 
 /* Widths of a q/k/v row and of the attention output. */
 static inline int64_t qkv_width(const StackModel *m) {
@@ -55,26 +55,29 @@ struct StackBuffers {
     team_share(team, n, &i##_first, &i##_last); \
     for (int64_t i = i##_first; i < i##_last; i++)
 
-/* A weight product of the step: its kind (for the balance), packed weight and shape. */
+/* A weight product of the step: its kind (for the balance) and weight (NULL: none). */
 typedef struct {
     int kind;
-    const void *weight;
-    int bits;
-    int64_t num_rows, num_cols;
+    const PackedMatrix *weight;
 } Product;
 
-/* This thread's share of the product's weight, as bytes to request while waiting before it. */
+static int64_t product_tiles(Product p) { return radixrt_matrix_rows(p.weight) / QUANTIZED_TILE_ROWS; }
+
+/* This thread's share of the product's weight, as bytes to request while waiting before it: the
+ * share's bytes in the part where it starts, and in the next part when it runs into one. */
 static Prefetch share_of(const Team *team, const StackModel *m, Product p) {
     if (p.weight == NULL) return (Prefetch){NULL, NULL, NULL, NULL};
     int64_t first, last;
-    radixrt_product_tiles(m->balance, team, p.kind, p.num_rows / QUANTIZED_TILE_ROWS, &first, &last);
-    const int64_t tile_bytes = radixrt_quantized_tile_bytes(p.bits, p.num_cols);
-    return (Prefetch){(const char *)p.weight + first * tile_bytes, (const char *)p.weight + last * tile_bytes, NULL, NULL};
+    radixrt_product_tiles(m->balance, team, p.kind, product_tiles(p), &first, &last);
+    const char *ranges[4];
+    radixrt_matrix_tile_bytes(p.weight, first, last, ranges);
+    return (Prefetch){ranges[0], ranges[1], ranges[2], ranges[3]};
 }
 
-/* Share `first`, then share `after` (kernels.h). */
+/* Share `first`, then share `after` (kernels.h); a share that already spans two parts keeps its
+ * second range instead (the requests are a hint: a part's bytes not asked for are read later). */
 static Prefetch followed_by(Prefetch first, Prefetch after) {
-    first.then = after.next, first.then_end = after.end;
+    if (first.then == NULL) first.then = after.next, first.then_end = after.end;
     return first;
 }
 
@@ -82,20 +85,18 @@ static Prefetch followed_by(Prefetch first, Prefetch after) {
 static void multiply(const Team *team, const StackModel *m, Product p, const uint16_t *x, int64_t rows, float *out,
                      uint16_t *out_bf16, void *scratch) {
     int64_t first, last;
-    radixrt_product_tiles(m->balance, team, p.kind, p.num_rows / QUANTIZED_TILE_ROWS, &first, &last);
+    radixrt_product_tiles(m->balance, team, p.kind, product_tiles(p), &first, &last);
     const uint64_t start = radixrt_ticks();
-    radixrt_quantized_matmul_tiles(x, p.num_cols, rows, p.weight, p.bits, p.num_rows, p.num_cols, out, out_bf16,
-                                   scratch, first, last);
+    radixrt_matrix_multiply_tiles(p.weight, x, p.weight->num_cols, rows, out, out_bf16, scratch, first, last);
     radixrt_product_record(m->balance, team, p.kind, last - first, radixrt_ticks() - start);
 }
 
 /* The layer's products, in the order the step multiplies them. */
-static void layer_products(const StackModel *m, const int64_t *weights, Product products[4]) {
-    const int64_t dim = m->dim, inter = m->intermediate;
-    products[0] = (Product){PRODUCT_QKV, (const void *)weights[QKV], 4, qkv_width(m), dim};
-    products[1] = (Product){PRODUCT_O, (const void *)weights[O], 4, dim, attn_width(m)};
-    products[2] = (Product){PRODUCT_GATE_UP, (const void *)weights[GATE_UP], 4, 2 * inter, dim};
-    products[3] = (Product){PRODUCT_DOWN, (const void *)weights[DOWN], 4, dim, inter};
+static void layer_products(const StackLayer *weights, Product products[4]) {
+    products[0] = (Product){PRODUCT_QKV, &weights->qkv};
+    products[1] = (Product){PRODUCT_O, &weights->o};
+    products[2] = (Product){PRODUCT_GATE_UP, &weights->gate_up};
+    products[3] = (Product){PRODUCT_DOWN, &weights->down};
 }
 
 /*
@@ -104,7 +105,7 @@ static void layer_products(const StackModel *m, const int64_t *weights, Product 
  * waits; at each barrier before a product the thread requests its share of that product, and
  * then of the one after it.
  */
-static void layer(const Team *team, const StackModel *m, const StackStep *st, const int64_t *weights,
+static void layer(const Team *team, const StackModel *m, const StackStep *st, const StackLayer *weights,
                   const Product products[4], Product next, uint16_t *k_pool, uint16_t *v_pool,
                   atomic_long *next_item, uint16_t *hidden, const StackBuffers *b, void *scratch, Prefetch *pending) {
     const int64_t rows = st->rows, dim = m->dim, qkv_rows = qkv_width(m), attn_dim = attn_width(m);
@@ -114,7 +115,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
                                 share_of(team, m, products[3]), share_of(team, m, next)};
     {
         FOR_SHARE(team, rows, r)
-            radixrt_rms_norm_row(hidden + r * dim, NULL, (const void *)weights[INPUT_NORM], b->normed + r * dim, dim,
+            radixrt_rms_norm_row(hidden + r * dim, NULL, weights->input_norm, b->normed + r * dim, dim,
                                  m->eps);
     }
     team_wait(team, pending);
@@ -140,7 +141,7 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     team_wait(team, pending);
     {
         FOR_SHARE(team, rows, r)
-            radixrt_rms_norm_row(hidden + r * dim, b->projected + r * dim, (const void *)weights[POST_NORM],
+            radixrt_rms_norm_row(hidden + r * dim, b->projected + r * dim, weights->post_norm,
                                  b->normed + r * dim, dim, m->eps);
     }
     team_wait(team, pending);
@@ -163,19 +164,41 @@ static void layer(const Team *team, const StackModel *m, const StackStep *st, co
     team_wait(team, pending);
 }
 
-int radixrt_stack_model_check(const StackModel *model) {
-    const int hq = model->num_q_heads, hkv = model->num_kv_heads, d = model->head_dim;
-    const int table = model->embedding_bits == 16 || (model->embedding_bits == 8 && model->dim % 32 == 0);
-    return hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2 || !table ? -1 : 0;
+int radixrt_stack_model_check(const StackModel *m) {
+    const int hq = m->num_q_heads, hkv = m->num_kv_heads, d = m->head_dim;
+    if (hkv < 1 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2) return -1;
+    if (m->embedding == NULL || radixrt_matrix_check(m->embedding, radixrt_matrix_rows(m->embedding), m->dim, 1))
+        return -1;
+    if (m->head != NULL && radixrt_matrix_check(m->head, radixrt_matrix_rows(m->head), m->dim, 0)) return -1;
+    const int64_t dim = m->dim, inter = m->intermediate;
+    for (int i = 0; i < m->num_layers; i++) {
+        const StackLayer *l = &m->layers[i];
+        if (radixrt_matrix_check(&l->qkv, qkv_width(m), dim, 0) || radixrt_matrix_check(&l->o, dim, attn_width(m), 0) ||
+            radixrt_matrix_check(&l->gate_up, 2 * inter, dim, 0) || radixrt_matrix_check(&l->down, dim, inter, 0))
+            return -1;
+    }
+    return 0;
+}
+
+/* The most scratch a thread's product of m rows needs, over the model's weights. */
+static int64_t scratch_bytes(const StackModel *m, int64_t rows, int64_t logit_rows) {
+    int64_t most = m->head != NULL ? radixrt_matrix_scratch_bytes(m->head, logit_rows) : 0;
+    for (int i = 0; i < m->num_layers; i++) {
+        const PackedMatrix *weights[4] = {&m->layers[i].qkv, &m->layers[i].o, &m->layers[i].gate_up, &m->layers[i].down};
+        for (int w = 0; w < 4; w++) {
+            const int64_t bytes = radixrt_matrix_scratch_bytes(weights[w], rows);
+            most = bytes > most ? bytes : most;
+        }
+    }
+    return most;
 }
 
 StackBuffers *radixrt_stack_buffers_new(const StackModel *m, int64_t rows, int64_t logit_rows, int own_hidden,
                                         int threads) {
     const int64_t dim = m->dim, inter = m->intermediate, attn_dim = attn_width(m), qkv_rows = qkv_width(m);
-    const int64_t widest = dim > attn_dim ? (dim > inter ? dim : inter) : (attn_dim > inter ? attn_dim : inter);
     StackBuffers *b = calloc(1, sizeof(StackBuffers));
     if (b == NULL) return NULL;
-    b->scratch_per_thread = radixrt_quantized_matmul_scratch_bytes(rows > logit_rows ? rows : logit_rows, widest);
+    b->scratch_per_thread = (scratch_bytes(m, rows, logit_rows) + 63) / 64 * 64;
     b->normed = malloc(sizeof(uint16_t) * rows * dim);
     b->qkv = malloc(sizeof(uint16_t) * rows * qkv_rows);
     b->attn = malloc(sizeof(uint16_t) * rows * attn_dim);
@@ -207,47 +230,25 @@ void radixrt_stack_buffers_free(StackBuffers *b) {
     free(b);
 }
 
-/* Row `token` of the embedding as bf16. An 8-bit table is a tied LM head in quantized_matmul.c's
- * layout (tiles of 16 rows; per group of 32 inputs 8 vectors of (row, 4 inputs) bytes q + 128, then
- * 16 fp16 scales): each weight q * d in float (exact) rounded once, as a dense load rounds it. */
-static void embedding_row(const StackModel *m, int64_t token, uint16_t *out) {
-    const int64_t dim = m->dim;
-    if (m->embedding_bits != 8) {
-        memcpy(out, (const uint16_t *)m->embedding + token * dim, sizeof(uint16_t) * (size_t)dim);
-        return;
-    }
-    const int64_t groups = dim / 32, row = token % 16, block_bytes = 8 * 64 + 16 * 2;
-    const uint8_t *blocks = (const uint8_t *)m->embedding + token / 16 * groups * block_bytes;
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *block = blocks + g * block_bytes;
-        uint16_t half;
-        memcpy(&half, block + 8 * 64 + 2 * row, sizeof half);
-        const float d = fp16_to_float(half);
-        for (int c = 0; c < 8; c++)
-            for (int j = 0; j < 4; j++)
-                out[32 * g + 4 * c + j] = float_to_bf16((float)((int)block[64 * c + 4 * row + j] - 128) * d);
-    }
-}
-
 void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *step, StackBuffers *b) {
     const int64_t rows = step->rows, dim = m->dim;
     uint16_t *hidden = step->hidden != NULL ? step->hidden : b->own_hidden;
     char *own_scratch = b->scratch + b->scratch_per_thread * team->thread;
     {
         FOR_SHARE(team, rows, r)
-            embedding_row(m, step->token_ids[r], hidden + r * dim);
+            radixrt_matrix_row_bf16(m->embedding, step->token_ids[r], hidden + r * dim);
     }
     if (team->thread == 0) radixrt_product_rebalance(m->balance, team->threads);
     team_barrier(team);
     const int with_head = step->num_logit_rows > 0;
-    const Product head = {PRODUCT_HEAD, with_head ? m->head : NULL, m->head_bits, m->head_rows, dim};
+    const Product head = {PRODUCT_HEAD, with_head ? m->head : NULL};
     Product current[4] = {head};  /* the layer's products; the head's alone after the last layer */
-    if (m->num_layers > 0) layer_products(m, m->layer_weights, current);
+    if (m->num_layers > 0) layer_products(m->layers, current);
     Prefetch pending = share_of(team, m, current[0]);
     for (int i = 0; i < m->num_layers; i++) {
-        const int64_t *weights = m->layer_weights + i * LAYER_WEIGHTS;
+        const StackLayer *weights = &m->layers[i];
         Product next[4] = {head};
-        if (i + 1 < m->num_layers) layer_products(m, weights + LAYER_WEIGHTS, next);
+        if (i + 1 < m->num_layers) layer_products(weights + 1, next);
         layer(team, m, step, weights, current, next[0], (uint16_t *)m->k_pools[i], (uint16_t *)m->v_pools[i],
               &step->next_items[i], hidden, b, own_scratch, &pending);
         memcpy(current, next, sizeof current);
@@ -264,38 +265,26 @@ void radixrt_stack_step(const Team *team, const StackModel *m, const StackStep *
 }
 
 /*
- * token_ids [rows] (rows of embedding: [vocab, dim] bf16, or with embedding_bits 8 a packed 8-bit
- * [vocab, dim] weight, see embedding_row) through every layer into hidden
- * [rows, dim] bf16. layer_weights: [num_layers, 6] addresses (input norm, qkv, o,
- * post-attention norm, gate_up, down; the projections packed 4-bit); k_pools, v_pools:
- * [num_layers] addresses of [num_slots, Hkv, D] pools. Row r's K/V go to slot out_slots[r]
- * before attention; attention reads the segments (kernels.h) over kv_indices. Row r rotates
- * with row positions[r] of cos and signed_sin, [table_rows, head_dim]. With head not NULL,
- * logits [num_logit_rows, head_rows] fp32 = rms_norm(hidden[logit_rows[i]], final_norm) @
- * head.T (head packed with head_bits bits); hidden is left after the last layer either way
- * (hidden NULL: a buffer of the call's own, when only the logits are wanted). balance: the
- * caller's ProductBalance (product_balance.c), learnt on across calls, or NULL.
+ * token_ids [rows] (rows of model->embedding) through every layer of `model` (kernels.h:
+ * StackModel, built once by the caller, its pools and tables current) into hidden [rows, dim]
+ * bf16. Row r's K/V go to slot out_slots[r] before attention; attention reads the segments
+ * (kernels.h) over kv_indices. Row r rotates with row positions[r] of the model's cos and
+ * signed_sin. With num_logit_rows > 0 and a head, logits [num_logit_rows, head rows] fp32 =
+ * rms_norm(hidden[logit_rows[i]], final_norm) @ head.T; hidden is left after the last layer
+ * either way (hidden NULL: a buffer of the call's own, when only the logits are wanted).
  * Returns 0, -1 for a shape the kernels do not take, -2 without memory, -3 for a slot outside
  * the pools, -4 for a token id outside the embedding, -5 for a position outside the tables, -6 for a
  * logit row outside the step (nothing computed).
  */
-int radixrt_int4_decode_stack_bf16(
-    const int64_t *token_ids, const void *embedding, int embedding_bits, int64_t vocab, uint16_t *hidden, int64_t rows,
-    int64_t dim,
-    int num_layers, const int64_t *layer_weights, const int64_t *k_pools, const int64_t *v_pools, int64_t num_slots,
-    float eps, int num_q_heads, int num_kv_heads, int head_dim, int64_t intermediate, float scale,
-    const int64_t *positions, const uint16_t *cos, const uint16_t *signed_sin, int64_t table_rows,
+int radixrt_decode_stack_bf16(
+    const StackModel *m, const int64_t *token_ids, int64_t rows, uint16_t *hidden, const int64_t *positions,
     const int64_t *out_slots, const int64_t *kv_indices,
     int num_segments, const int64_t *seg_starts, const int64_t *seg_lens, const int64_t *seg_row_ptr,
-    const int64_t *seg_rows,
-    const uint16_t *final_norm, const uint8_t *head, int head_bits, int64_t head_rows,
-    int64_t num_logit_rows, const int64_t *logit_rows, float *logits, ProductBalance *balance, int num_threads
+    const int64_t *seg_rows, int64_t num_logit_rows, const int64_t *logit_rows, float *logits, int num_threads
 ) {
-    const StackModel model = {
-        embedding, vocab, dim, num_layers, layer_weights, k_pools, v_pools, num_slots, eps, scale, num_q_heads,
-        num_kv_heads, head_dim, intermediate, cos, signed_sin, table_rows, final_norm, head, head_bits, head_rows,
-        balance, embedding_bits,
-    };
+    const StackModel model = *m;
+    const int64_t num_slots = model.num_slots, vocab = radixrt_matrix_rows(model.embedding);
+    const int num_layers = model.num_layers;
     if (radixrt_stack_model_check(&model)) return -1;
     for (int64_t r = 0; r < rows; r++)
         if (out_slots[r] < 0 || out_slots[r] >= num_slots) return -3;
@@ -304,12 +293,13 @@ int radixrt_int4_decode_stack_bf16(
             if (kv_indices[seg_starts[s] + j] < 0 || kv_indices[seg_starts[s] + j] >= num_slots) return -3;
     for (int64_t r = 0; r < rows; r++) {
         if (token_ids[r] < 0 || token_ids[r] >= vocab) return -4;
-        if (positions[r] < 0 || positions[r] >= table_rows) return -5;
+        if (positions[r] < 0 || positions[r] >= model.table_rows) return -5;
     }
-    if (head == NULL) num_logit_rows = 0;
+    if (model.head == NULL || logits == NULL) num_logit_rows = 0;
     for (int64_t i = 0; i < num_logit_rows; i++)
         if (logit_rows[i] < 0 || logit_rows[i] >= rows) return -6;
-    Segments seg = {num_segments, seg_starts, seg_lens, seg_row_ptr, seg_rows, num_q_heads, num_kv_heads, head_dim, 0};
+    Segments seg = {num_segments, seg_starts, seg_lens, seg_row_ptr, seg_rows, model.num_q_heads, model.num_kv_heads,
+                    model.head_dim, 0};
     StackBuffers *buffers = radixrt_stack_buffers_new(&model, rows, num_logit_rows, hidden == NULL, num_threads);
     AttentionWork *work = radixrt_attention_work_new(&seg, num_threads);
     atomic_long *next_items = calloc(num_layers, sizeof(atomic_long));  /* each layer's attention item counter */

@@ -1,6 +1,6 @@
 /*
  * A Llama decoder layer's work around attention, for a few bf16 rows and
- * 4-bit weights (quantized_matmul.c), in two calls instead of about thirty ops.
+ * packed quantized weights (packed_matrix.c), in two calls instead of about thirty ops.
  *
  * At decode sizes each torch op costs a few microseconds of dispatch and
  * allocation whatever its arithmetic; a batch-1 step of the bundled model
@@ -8,9 +8,9 @@
  * arithmetic with the same bf16 roundings as the torch layer
  * (radixrt/model/llama.py), in one pass each:
  *
- *   attention inputs:  qkv = q4(rms_norm(hidden)); q, k heads rotated (RoPE)
- *   finish:            hidden += q4_o(attn); x = rms_norm(hidden);
- *                      hidden += q4_down(silu(gate(x)) * up(x))
+ *   attention inputs:  qkv = w_qkv(rms_norm(hidden)); q, k heads rotated (RoPE)
+ *   finish:            hidden += w_o(attn); x = rms_norm(hidden);
+ *                      hidden += w_down(silu(gate(x)) * up(x))
  *
  * Only the exponential in SiLU is ours (the polynomial below, ~2e-7
  * relative error before the bf16 rounding), so an element can differ from
@@ -22,6 +22,9 @@
 
 #include "kernels.h"
 #include "scalar.h"
+
+int radixrt_matrix_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const PackedMatrix *w, float *out,
+                               uint16_t *out_bf16, int num_threads);
 
 /* out = silu(gate) * up, each rounded to bf16 as torch's ops do. */
 void radixrt_silu_times(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
@@ -56,15 +59,17 @@ void radixrt_rope_row(uint16_t *heads_row, int64_t heads, int64_t head_dim, cons
  * first rope_heads heads (q and k) as torch's `x * cos + flip_halves(x) * signed_sin`,
  * each product and the sum rounded to bf16. cos, signed_sin: [rows, head_dim].
  */
-int radixrt_int4_attention_inputs_bf16(
+int radixrt_layer_attention_inputs_bf16(
     const uint16_t *hidden, int64_t rows, int64_t dim, const uint16_t *norm_weight, float eps,
-    const uint8_t *qkv_tiles, int64_t qkv_rows, const uint16_t *cos, const uint16_t *signed_sin,
+    const PackedMatrix *w_qkv, const uint16_t *cos, const uint16_t *signed_sin,
     int64_t rope_heads, int64_t head_dim, uint16_t *qkv, int num_threads
 ) {
+    const int64_t qkv_rows = radixrt_matrix_rows(w_qkv);
+    if (radixrt_matrix_check(w_qkv, qkv_rows, dim, 0)) return -2;
     uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(rows * dim));
     if (normed == NULL) return -1;
     radixrt_rms_norm_bf16((uint16_t *)hidden, NULL, norm_weight, normed, rows, dim, eps, num_threads);
-    int status = radixrt_quantized_matmul_bf16(normed, dim, rows, qkv_tiles, 4, qkv_rows, dim, NULL, qkv, num_threads);
+    int status = radixrt_matrix_matmul_bf16(normed, dim, rows, w_qkv, NULL, qkv, num_threads);
     free(normed);
     if (status) return status;
     for (int64_t r = 0; r < rows; r++)
@@ -78,29 +83,30 @@ int radixrt_int4_attention_inputs_bf16(
  *   hidden += (silu(gate) * up) @ w_down.T
  * each step rounded to bf16 as the torch layer does.
  */
-int radixrt_int4_finish_layer_bf16(
+int radixrt_layer_finish_bf16(
     uint16_t *hidden, const uint16_t *attn, int64_t attn_stride, int64_t rows, int64_t dim, int64_t attn_dim,
-    const uint8_t *o_tiles, const uint16_t *norm_weight, float eps, const uint8_t *gate_up_tiles,
-    int64_t intermediate, const uint8_t *down_tiles, int num_threads
+    const PackedMatrix *w_o, const uint16_t *norm_weight, float eps, const PackedMatrix *w_gate_up,
+    const PackedMatrix *w_down, int num_threads
 ) {
+    const int64_t intermediate = radixrt_matrix_rows(w_gate_up) / 2;
+    if (radixrt_matrix_check(w_o, dim, attn_dim, 0) || radixrt_matrix_check(w_gate_up, 2 * intermediate, dim, 0) ||
+        radixrt_matrix_check(w_down, dim, intermediate, 0))
+        return -2;
     uint16_t *projected = malloc(sizeof(uint16_t) * (size_t)(rows * dim));
     uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(rows * dim));
     uint16_t *gate_up = malloc(sizeof(uint16_t) * (size_t)(rows * 2 * intermediate));
     uint16_t *activated = malloc(sizeof(uint16_t) * (size_t)(rows * intermediate));
     int status = -1;
     if (projected == NULL || normed == NULL || gate_up == NULL || activated == NULL) goto done;
-    status = radixrt_quantized_matmul_bf16(attn, attn_stride, rows, o_tiles, 4, dim, attn_dim, NULL, projected,
-                                           num_threads);
+    status = radixrt_matrix_matmul_bf16(attn, attn_stride, rows, w_o, NULL, projected, num_threads);
     if (status) goto done;
     radixrt_rms_norm_bf16(hidden, projected, norm_weight, normed, rows, dim, eps, num_threads);
-    status = radixrt_quantized_matmul_bf16(normed, dim, rows, gate_up_tiles, 4, 2 * intermediate, dim, NULL, gate_up,
-                                           num_threads);
+    status = radixrt_matrix_matmul_bf16(normed, dim, rows, w_gate_up, NULL, gate_up, num_threads);
     if (status) goto done;
     for (int64_t r = 0; r < rows; r++)
         radixrt_silu_times(gate_up + r * 2 * intermediate, gate_up + r * 2 * intermediate + intermediate,
                    activated + r * intermediate, intermediate);
-    status = radixrt_quantized_matmul_bf16(activated, intermediate, rows, down_tiles, 4, dim, intermediate, NULL,
-                                           projected, num_threads);
+    status = radixrt_matrix_matmul_bf16(activated, intermediate, rows, w_down, NULL, projected, num_threads);
     if (status) goto done;
     for (int64_t r = 0; r < rows * dim; r++)
         hidden[r] = float_to_bf16(bf16_to_float(hidden[r]) + bf16_to_float(projected[r]));

@@ -129,6 +129,43 @@ int64_t radixrt_quantized_matmul_scratch_bytes(int64_t m, int64_t num_cols);
 int64_t radixrt_quantized_tile_bytes(int bits, int64_t num_cols);
 
 /*
+ * packed_matrix.c: a weight matrix in the formats' packed layouts (format_matmul.h), its rows in
+ * parts, each a run of rows of one format (a GGUF type number) in that format's tiles of
+ * QUANTIZED_TILE_ROWS rows: a fused projection whose parts the file stores in different formats
+ * (llama.cpp's Q4_K_M keeps some v and down rows in Q6_K) is one matrix. Every part's rows are
+ * whole tiles, so a tile index over the matrix names one tile of one part, and a product's tiles
+ * are divided among threads as one range whatever the parts. The embedding table is a matrix
+ * too: one part of FORMAT_BF16 is a dense [vocab, dim] bf16 table.
+ */
+#define MATRIX_MAX_PARTS 3
+typedef struct {
+    int format;        /* GGUF type number (formats.h) */
+    int64_t num_rows;  /* a multiple of QUANTIZED_TILE_ROWS */
+    const uint8_t *tiles;
+} MatrixPart;
+typedef struct {
+    int num_parts;
+    int64_t num_cols;
+    MatrixPart parts[MATRIX_MAX_PARTS];
+} PackedMatrix;
+
+int64_t radixrt_matrix_rows(const PackedMatrix *w);
+/* 0 when w is num_rows x num_cols of formats with a packed layout in whole tiles (FORMAT_BF16
+ * only as the single part of a table: `table` 1), else -1 */
+int radixrt_matrix_check(const PackedMatrix *w, int64_t num_rows, int64_t num_cols, int table);
+/* scratch bytes a thread's radixrt_matrix_multiply_tiles needs for m rows */
+int64_t radixrt_matrix_scratch_bytes(const PackedMatrix *w, int64_t m);
+/* radixrt_quantized_matmul_tiles' contract over the matrix's tiles [first_tile, last_tile) */
+void radixrt_matrix_multiply_tiles(const PackedMatrix *w, const uint16_t *x, int64_t x_stride, int64_t m,
+                                   float *out, uint16_t *out_bf16, void *scratch, int64_t first_tile,
+                                   int64_t last_tile);
+/* the bytes of tiles [first_tile, last_tile) of the part where first_tile is, and of the next part
+ * when the range runs into it (a Prefetch's two ranges) */
+void radixrt_matrix_tile_bytes(const PackedMatrix *w, int64_t first_tile, int64_t last_tile, const char *ranges[4]);
+/* row `row` of the matrix as bf16 (out [num_cols]) */
+void radixrt_matrix_row_bf16(const PackedMatrix *w, int64_t row, uint16_t *out);
+
+/*
  * product_balance.c: how a team's threads divide each kind of a step's products, learnt from
  * their measured speeds (the state lives in a caller's buffer of radixrt_product_balance_bytes(),
  * zeroed, 64-byte aligned, kept from step to step; NULL: equal shares).
@@ -205,27 +242,29 @@ void radixrt_attention_run(const Team *team, AttentionWork *work, atomic_long *n
                            const int64_t *kv_indices, float scale, void *out, float *lse, Prefetch *pending);
 
 /*
- * decode_stack.c: a plain Llama model on 4-bit weights as the whole-step kernels read it, and one
- * step of it run by every thread of a team (decode_run.c runs several in a row).
+ * decode_stack.c: a plain Llama model on packed quantized weights as the whole-step kernels read
+ * it, and one step of it run by every thread of a team (decode_run.c runs several in a row).
  */
+/* A layer's weights as the stack reads them. */
 typedef struct {
-    const void *embedding;  /* embedding_bits 16: [vocab, dim] bf16; 8: an 8-bit packed weight (the LM head) */
-    int64_t vocab, dim;
+    const uint16_t *input_norm, *post_norm;  /* [dim] bf16 */
+    PackedMatrix qkv, o, gate_up, down;
+} StackLayer;
+
+typedef struct {
+    const PackedMatrix *embedding;   /* [vocab, dim]: rows looked up, dequantized to bf16 (a dense table: FORMAT_BF16) */
     int num_layers;
-    const int64_t *layer_weights;    /* [num_layers, 6] addresses: input norm, qkv, o, post norm, gate_up, down */
+    const StackLayer *layers;        /* [num_layers] */
     const int64_t *k_pools, *v_pools;  /* [num_layers] addresses of [num_slots, Hkv, D] bf16 pools */
     int64_t num_slots;
     float eps, scale;
     int num_q_heads, num_kv_heads, head_dim;
-    int64_t intermediate;
+    int64_t dim, intermediate;
     const uint16_t *cos, *signed_sin;  /* [table_rows, head_dim] bf16 */
     int64_t table_rows;
     const uint16_t *final_norm;  /* NULL with head */
-    const uint8_t *head;         /* packed LM head, head_bits bits; NULL: no logits */
-    int head_bits;
-    int64_t head_rows;
+    const PackedMatrix *head;    /* the LM head; NULL: no logits */
     ProductBalance *balance;     /* the caller's, learnt on from step to step; NULL: equal shares */
-    int embedding_bits;          /* 16 or 8: rows of a tied 8-bit head, dequantized (q d, rounded once) */
 } StackModel;
 
 /* One step's rows: row r is token token_ids[r] at positions[r], its K/V stored at out_slots[r];
@@ -245,7 +284,7 @@ typedef struct {
 
 typedef struct StackBuffers StackBuffers;  /* a step's activations and each thread's scratch */
 
-/* -1 for heads or a head size the kernels do not take, else 0 */
+/* -1 for heads, a head size or weight matrices the kernels do not take, else 0 */
 int radixrt_stack_model_check(const StackModel *model);
 /* buffers for steps of up to `rows` rows and `logit_rows` logit rows (NULL without memory) */
 StackBuffers *radixrt_stack_buffers_new(const StackModel *model, int64_t rows, int64_t logit_rows, int own_hidden,
