@@ -178,7 +178,7 @@ def test_a_tied_q8_0_embedding_is_looked_up_in_the_packed_head(q4_file, monkeypa
     if cpu.decode_stack() is None:
         pytest.skip("no AVX512-BF16: the head is not in radixrt's kernel layout, the embedding stays dense")
     native = load_model(q4_file, dtype="bfloat16", weights="native")
-    assert native.model._quantized_embedding and native.model.embed_tokens.numel() == 0
+    assert native.model._packed_embedding is not None and native.model.embed_tokens.numel() == 0
     monkeypatch.setattr(LlamaForCausalLM, "embedding_runs_quantized", lambda *args: False)
     with_table = load_model(q4_file, dtype="bfloat16", weights="native")
     assert with_table.model.embed_tokens.shape == (SHAPE.vocab, SHAPE.hidden)

@@ -5,9 +5,11 @@ The tokenizer is the bundled SmolLM2's (its `tokenizer.*` metadata copied), so
 transformers reads it as it reads any llama.cpp file. Weights are drawn from a
 seeded normal distribution in Hugging Face row order, q and k rows permuted as
 llama.cpp's converter does, then quantized with gguf's reference quantizer
-(`gguf.quants.quantize`: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). The metadata
-depends on the shape alone (no name, no file type), so files of one shape
-share a start record.
+(`gguf.quants.quantize`: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); K-quants,
+which gguf cannot quantize, are random valid blocks whose weights are of the
+same small size. `mix` writes llama.cpp's per-tensor choices of a K-quant
+file type (Q4_K_M, Q5_K_M). The metadata depends on the shape alone (no name,
+no file type), so files of one shape share a start record.
 """
 
 from __future__ import annotations
@@ -46,16 +48,41 @@ SMOLLM2_1_7B = LlamaShape(num_layers=24, hidden=2048, intermediate=8192, num_hea
                           context=8192)  # fmt: skip
 
 
-# K-quant blocks: where their fp16 super-block scales sit (byte offsets); the rest of a block is codes
-_K_QUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# K-quant blocks: where their fp16 super-block scales sit (byte offsets; the rest of a block is
+# codes and sub-block scales), and the largest sub-block scale times code, so that the weights
+# stay below ~0.15 like the normal ones
+_K_QUANT_SCALES = {"Q2_K": ((80, 82), 15 * 3), "Q3_K": ((108,), 32 * 4), "Q4_K": ((0, 2), 63 * 15),
+                   "Q5_K": ((0, 2), 63 * 31), "Q6_K": ((208,), 128 * 32)}  # fmt: skip
+
+# llama.cpp's K-quant file types (`llama_tensor_get_type`): every tensor of the base type, but
+# attn_v and ffn_down of the layers `_more_bits` picks and the output in the richer one
+MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+
+
+def _more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's `use_more_bits`: the first and last eighth of the layers, and every third between."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def mix_types(mix: str, shape: LlamaShape) -> dict[str, str]:
+    """The per-tensor types of llama.cpp's file type `mix` (one of MIXES) for a model of `shape`."""
+    base, richer = MIXES[mix]
+    types = {"token_embd.weight": base, "output.weight": richer}
+    for i in range(shape.num_layers):
+        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            types[f"blk.{i}.{name}.weight"] = base
+        for name in ("attn_v", "ffn_down"):
+            types[f"blk.{i}.{name}.weight"] = richer if _more_bits(i, shape.num_layers) else base
+    return types
 
 
 def _random_blocks(qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Random codes and sub-block scales in valid K-quant blocks, the fp16 scales small and finite."""
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (shape[0], shape[1] // block_size, block_bytes), dtype=np.uint8)
-    for offset in _K_QUANT_SCALES[qtype.name]:
-        scale = (rng.random((shape[0], shape[1] // block_size)) * 0.01).astype(np.float16)
+    offsets, largest = _K_QUANT_SCALES[qtype.name]
+    for offset in offsets:
+        scale = (rng.random((shape[0], shape[1] // block_size)) * 0.15 / largest).astype(np.float16)
         blocks[..., offset : offset + 2] = scale.view(np.uint8).reshape(*scale.shape, 2)
     return blocks.reshape(shape[0], -1)
 
@@ -68,12 +95,13 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), projection_type: str = "Q4_0",
                      embedding_type: str = "Q8_0", types: dict[str, str] | None = None, seed: int = 0,
-                     tokenizer_from: Path | None = None, omit: tuple[str, ...] = ()) -> Path:
+                     tokenizer_from: Path | None = None, omit: tuple[str, ...] = (), mix: str | None = None) -> Path:
     """A random Llama of `shape` at `path`: projections stored as `projection_type`, the
-    embedding (and an untied head) as `embedding_type`, norms F32; `types` overrides the type
-    of single tensors by GGUF name (K-quants Q4_K, Q5_K, Q6_K, which gguf cannot quantize, as
-    random valid blocks); `omit` leaves tensors out. `tokenizer_from`: the GGUF file whose
-    tokenizer to copy (default: the bundled model's)."""
+    embedding (and an untied head) as `embedding_type`, norms F32; `mix` (a key of MIXES) sets
+    every tensor's type as llama.cpp's file type does; `types` overrides the type of single
+    tensors by GGUF name (K-quants Q2_K .. Q6_K, which gguf cannot quantize, as random valid
+    blocks); `omit` leaves tensors out. `tokenizer_from`: the GGUF file whose tokenizer to copy
+    (default: the bundled model's)."""
     if tokenizer_from is None:
         from radixrt.model.loader import bundled_model_path
 
@@ -103,7 +131,7 @@ def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), projection_ty
     writer.add_add_space_prefix(source["tokenizer.ggml.add_space_prefix"])
     writer.add_chat_template(source["tokenizer.chat_template"])
     rng = np.random.default_rng(seed)
-    types = types or {}
+    types = {**(mix_types(mix, shape) if mix is not None else {}), **(types or {})}
 
     def add(name: str, values: np.ndarray, kind: str) -> None:
         kind = types.get(name, kind)
