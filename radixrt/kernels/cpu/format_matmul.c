@@ -44,7 +44,7 @@ int64_t radixrt_format_tile_bytes(int format, int64_t num_cols) {
 int64_t radixrt_format_matmul_scratch_bytes(int format, int64_t m, int64_t num_cols) {
     if (delegated_bits(format)) return radixrt_quantized_matmul_scratch_bytes(m, num_cols);
     int64_t bytes = kquant_matmul_scratch_bytes_portable(m, num_cols);
-#if RADIXRT_ISA_AVX512 && defined(RADIXRT_KQUANT_AVX512)
+#if RADIXRT_ISA_AVX512
     const int64_t simd = kquant_matmul_scratch_bytes_avx512(m, num_cols);
     if (simd > bytes) bytes = simd;
 #endif
@@ -81,7 +81,7 @@ void radixrt_format_matmul_tiles_portable(int format, const uint16_t *x, int64_t
 void radixrt_format_matmul_tiles(int format, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles,
                                  int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
                                  int64_t first_tile, int64_t last_tile) {
-#if RADIXRT_ISA_AVX512 && defined(RADIXRT_KQUANT_AVX512)
+#if RADIXRT_ISA_AVX512
     if (layout_serves(format)) {
         kquant_matmul_tiles_avx512(format, x, x_stride, m, tiles, num_rows, num_cols, out, out_bf16, scratch,
                                    first_tile, last_tile);
