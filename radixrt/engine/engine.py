@@ -132,7 +132,7 @@ class Engine:
                 self.cached_prompt_tokens += req.cached_len
         plan.record_prompt_logprobs(logits)
         # The sampler's C passes (row stats, draws) split rows over every core, as the step did:
-        # from 4 rows on that beats one thread (32 rows: 273 -> 151 us, warm)
+        # from a few rows on that beats one thread (docs/benchmarks.md, "The sampler")
         with cpu.kernel_threads(self._kernel_threads):
             next_tokens = plan.sample(logits, self.sampler, self._vocab_size)
         self.num_generated_tokens += sum(map(len, next_tokens))

@@ -29,7 +29,8 @@ from radixrt.sampling.params import SamplingParams
 
 # top_p first looks for the nucleus among this many most likely tokens and
 # sorts the whole vocabulary only for rows whose nucleus is larger: a full
-# sort of a 49k vocabulary costs 20x a top-256 on CPU.
+# sort of a large vocabulary costs far more than a top-k of a few hundred on
+# the CPU (docs/benchmarks.md, "The sampler").
 _NUCLEUS_CANDIDATES = 256
 
 _MASK64 = (1 << 64) - 1
@@ -228,7 +229,7 @@ def _as_tensor(tokens: Sequence[int]) -> torch.Tensor:
 
 def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's first argmax, its value and its log-sum-exp: radixrt's C pass where it runs
-    (about 8x faster than torch's reductions over a 49k vocabulary on one thread), else torch's."""
+    (two vectorized passes; docs/kernels.md, "Row statistics"), else torch's."""
     kernel = cpu.row_stats()
     if kernel is not None and kernel.takes(logits):
         return kernel(logits)
