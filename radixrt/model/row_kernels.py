@@ -1,7 +1,8 @@
 """The sampler's compiled row passes (`sampling.sampler.RowKernels`), supplied by the executor so
 that the sampler itself imports no kernels: argmax and log-sum-exp (`row_stats.c`), constraint
-masks and draws (`sample_rows.c`), each split over the step's large thread count (a batch's rows
-are independent, so more threads change no result)."""
+masks and draws (`sample_rows.c`), each split over the step's large thread count: a batch's rows
+are independent, so more threads change no result, and from a few rows on they finish sooner
+(docs/benchmarks.md, "The sampler")."""
 
 from __future__ import annotations
 

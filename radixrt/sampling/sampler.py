@@ -30,7 +30,8 @@ from radixrt.sampling.run_data import RunMasks, RunPenalties, RunSampling
 
 # top_p first looks for the nucleus among this many most likely tokens and
 # sorts the whole vocabulary only for rows whose nucleus is larger: a full
-# sort of a 49k vocabulary costs 20x a top-256 on CPU.
+# sort of a large vocabulary costs far more than a top-k of a few hundred on
+# the CPU (docs/benchmarks.md, "The sampler").
 _NUCLEUS_CANDIDATES = 256
 
 _MASK64 = (1 << 64) - 1

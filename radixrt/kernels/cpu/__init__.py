@@ -21,8 +21,9 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
     kv_store.c          a step's new K and V rows into their pool slots in one
                         call, instead of two indexed assignments a layer.
     row_stats.c         each logits row's argmax and log-sum-exp in two
-                        vectorized passes, for the sampler (torch's take ~6x
-                        longer over a 49k vocabulary).
+                        vectorized passes, for the sampler (torch's index
+                        reduction does not vectorize, its logsumexp is
+                        several ops).
     sample_rows.c       a token drawn from a row's temperature-scaled softmax
                         after its top-k/top-p/min-p filters, in a few passes,
                         instead of torch's ~10 ops a row and, for a wide
@@ -43,7 +44,8 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
 
 The sources are compiled together with `-march=native` for this machine,
 cached under `cache_root()/kernels`, and loaded with ctypes (no torch
-headers: building takes about 3 s on the project's 2-core machine, once).
+headers, so the build is one quick compiler run, once; docs/kernels.md,
+"Building the library").
 Without a C compiler, or if building fails, the accessors return None and
 callers keep torch's path.
 """
