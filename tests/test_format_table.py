@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrt.kernels.cpu import formats
-from radixrt.kernels.cpu.formats import FORMATS
+from radixrt.kernels.cpu import format_table as formats
+from radixrt.kernels.cpu.format_table import FORMATS
 
 pytestmark = pytest.mark.skipif(formats._load() is None, reason="no C compiler")
 
