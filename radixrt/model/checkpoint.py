@@ -2,11 +2,10 @@
 
 The loader copies each tensor once, cast, into the model's own parameters.
 Reading a safetensors tensor through `safetensors` first copies it into new
-memory; on the project's 2-core VM touching fresh memory costs 0.6-2.4 s per
-GB (page faults), so the bundled model's 513 MB fp32 file took 0.6-1.7 s to
-load that way and 0.9-1.2 s mapped (medians of 4 under load). Here a
-tensor is a view of a private memory map of its file: its bytes are the
-page cache's, read by the copy into the model.
+memory, and touching fresh memory costs page faults (docs/benchmarks.md,
+"Fresh memory on the 2-core VM"). Here a tensor is a view of a private
+memory map of its file: its bytes are the page cache's, read by the copy
+into the model.
 
     file: [u64 header size][header JSON: name -> dtype, shape, data_offsets][data]
 """
