@@ -28,9 +28,10 @@ from radixrt.model.loader import load_model
 from radixrt.paths import CACHE_ENV_VAR
 
 SHAPE = LlamaShape()
-# layer 0 all Q4_0 (native); layer 1 one of each type the native path cannot run, and a Q4_1
+# layer 0 all Q4_0 (native); layer 1 the other formats with a packed layout, fused with Q4_0/Q4_1
+# parts, and a Q3_K ffn_down, a type without one
 MIXED = {"blk.1.attn_v.weight": "Q5_1", "blk.1.attn_output.weight": "Q8_0", "blk.1.ffn_gate.weight": "Q4_1",
-         "blk.1.ffn_up.weight": "Q5_0", "blk.1.ffn_down.weight": "Q6_K", "blk.0.attn_k.weight": "Q4_1"}  # fmt: skip
+         "blk.1.ffn_up.weight": "Q5_0", "blk.1.ffn_down.weight": "Q3_K", "blk.0.attn_k.weight": "Q4_1"}  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -202,17 +203,22 @@ def logits_of(loaded, ids: list[int]) -> torch.Tensor:
 
 
 def test_types_without_a_kernel_are_dequantized_with_one_warning(mixed_file, caplog):
+    """With radixrt's packed kernels every format but Q3_K runs as stored, fused with Q4_0/Q4_1
+    parts; without them (torch's 4-bit kernel) only Q4_0/Q4_1 do."""
     with caplog.at_level(logging.WARNING, logger="radixrt.model.gguf_loader"):
         loaded = load_model(mixed_file, dtype="bfloat16", weights="native")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
-    for kind, name in (("Q5_1", "blk.1.attn_v"), ("Q8_0", "blk.1.attn_output"), ("Q5_0", "blk.1.ffn_up"),
-                       ("Q6_K", "blk.1.ffn_down")):  # fmt: skip
+    packed = cpu.quantized_matmul() is not None
+    others = (("Q5_1", "blk.1.attn_v"), ("Q8_0", "blk.1.attn_output"), ("Q5_0", "blk.1.ffn_up"))
+    for kind, name in (("Q3_K", "blk.1.ffn_down"), *(() if packed else others)):
         assert f"{kind}: {name}.weight" in warnings[0]
+    assert all(f"{kind}: {name}.weight" not in warnings[0] for kind, name in (others if packed else ()))
     assert "slower dense path" in warnings[0]
     first, second = loaded.model.layers
     assert first.qkv_proj.numel() == 0 and first.int4_steps is not None, "layer 0 runs 4-bit"
-    assert second.qkv_proj.shape == (SHAPE.hidden * 2, SHAPE.hidden) and second.int4_steps is None
+    assert second.down_proj.shape == (SHAPE.hidden, SHAPE.intermediate) and second.int4_steps is None
+    assert (second.qkv_proj.numel() == 0) == packed, "Q4_0, Q4_0, Q5_1 parts in one packed qkv"
 
 
 def test_first_start_writes_no_weight_file(q4_file, tmp_path, monkeypatch):

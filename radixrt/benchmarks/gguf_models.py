@@ -54,6 +54,9 @@ SMOLLM2_1_7B = LlamaShape(num_layers=24, hidden=2048, intermediate=8192, num_hea
 _K_QUANT_SCALES = {"Q2_K": ((80, 82), 15 * 3), "Q3_K": ((108,), 32 * 4), "Q4_K": ((0, 2), 63 * 15),
                    "Q5_K": ((0, 2), 63 * 31), "Q6_K": ((208,), 128 * 32)}  # fmt: skip
 
+# the types gguf's reference quantizer writes (`gguf.quants.quantize`)
+_QUANTIZED = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
 # llama.cpp's K-quant file types (`llama_tensor_get_type`): every tensor of the base type, but
 # attn_v and ffn_down of the layers `_more_bits` picks and the output in the richer one
 MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
@@ -100,7 +103,7 @@ def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), projection_ty
     embedding (and an untied head) as `embedding_type`, norms F32; `mix` (a key of MIXES) sets
     every tensor's type as llama.cpp's file type does; `types` overrides the type of single
     tensors by GGUF name (K-quants Q2_K .. Q6_K, which gguf cannot quantize, as random valid
-    blocks); `omit` leaves tensors out. `tokenizer_from`: the GGUF file whose tokenizer to copy
+    blocks; any other type as random bytes); `omit` leaves tensors out. `tokenizer_from`: the GGUF file whose tokenizer to copy
     (default: the bundled model's)."""
     if tokenizer_from is None:
         from radixrt.model.loader import bundled_model_path
@@ -145,6 +148,11 @@ def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), projection_ty
             writer.add_tensor(name, values.astype(np.float32))
             return
         qtype = gguf.GGMLQuantizationType[kind]
+        if kind not in _QUANTIZED:  # a type no writer here quantizes: random bytes of its block size
+            block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            raw = rng.integers(0, 256, (values.shape[0], values.shape[1] // block_size * block_bytes), dtype=np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+            return
         writer.add_tensor(name, gguf.quants.quantize(values.astype(np.float32), qtype), raw_dtype=qtype)
 
     def normal(*dims: int, std: float = 0.05) -> np.ndarray:

@@ -95,7 +95,7 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
         elif not tied_lookup:  # else its rows are looked up in the head
             dequantize_into(model.embed_tokens, file.tensors["token_embd.weight"])
         dequantize_into(model.norm, file.tensors["output_norm.weight"])
-        if not config.tie_word_embeddings:
+        if not config.tie_word_embeddings and plan.head is None:  # else the head runs as stored
             dequantize_into(model.lm_head, file.tensors["output.weight"])
         file.release([file.tensors["token_embd.weight"]])
         model.prepack()

@@ -19,6 +19,7 @@ scale and offset to 8 significant bits (the 4-bit codes stay the file's).
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -94,20 +95,44 @@ def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = Non
     return packed(kernel.pack_int4(weight.codes, weight.scales, weight.offsets), bias)
 
 
+# Rows from which `packed` multiplies densely: more than the whole-step kernel takes a step
+# (llama.STACK_MAX_ROWS), i.e. prefill chunks. The quantized kernel's cost grows with every row
+# (it is compute-bound there), while dequantizing the weight once costs the same for any rows
+# and leaves a bf16 GEMM (docs/kernels.md has the figures).
+DENSE_MIN_ROWS = 65
+
+
 def packed(weight: cpu.PackedWeight, bias: torch.Tensor | None = None) -> Linear:
-    """`x @ w.T (+ bias)` for bf16 rows through radixrt's quantized kernel, over a weight already in
-    its layout (`Int4LayerSteps`' own, so a layer holds its projections once)."""
+    """`x @ w.T (+ bias)` for bf16 rows over a weight already in radixrt's packed layouts
+    (`Int4LayerSteps`' own, so a layer holds its projections once): through the quantized kernel,
+    or from DENSE_MIN_ROWS rows by a bf16 GEMM over the weight dequantized into a scratch buffer
+    the calls of this thread share (the weights' values rounded once to bf16: steps whose rows
+    must not depend on the batch take the whole-step kernel instead)."""
     kernel = cpu.quantized_matmul()
     if kernel is None:
         raise ValueError("radixrt's quantized matmul is not available: it needs a C compiler and AVX512-BF16")
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        out = kernel(_rows(x, x.shape[-1]), weight)
-        if bias is not None:
-            out = out + bias
+        rows = _rows(x, x.shape[-1])
+        if rows.shape[0] >= DENSE_MIN_ROWS and rows.dtype == torch.bfloat16:
+            out = F.linear(rows, kernel.dequantize(weight, _dense_scratch(weight.num_rows * weight.columns())), bias)
+        else:
+            out = kernel(rows, weight)
+            if bias is not None:
+                out = out + bias
         return out.view(*x.shape[:-1], weight.num_rows)
 
     return linear
+
+
+_scratch = threading.local()  # .buffer: the bf16 weight `packed` dequantizes into, grown as needed
+
+
+def _dense_scratch(size: int) -> torch.Tensor:
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < size:
+        _scratch.buffer = buffer = torch.empty(size, dtype=torch.bfloat16)
+    return buffer
 
 
 def lm_head(weight: Int4Weight | Int8Weight | cpu.PackedWeight, dtype: torch.dtype) -> Linear:

@@ -375,6 +375,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"quantized LM head shape {shape}, model expects {tuple(self.lm_head.shape)}")
             self._invariant_lm_head = linear.lm_head(head, self.dtype)
             self._lm_head = self._invariant_lm_head
+            if not self.config.tie_word_embeddings:  # the quantized head serves every step: no dense copy
+                self.lm_head = _weight(0, self.config.hidden_size, device=self.device, dtype=self.dtype)
         packed_head = self._invariant_lm_head
         if isinstance(quantized_embedding, cpu.PackedWeight):
             if packed_shape(quantized_embedding) != tuple(self.embed_tokens.shape):
@@ -471,11 +473,13 @@ class LlamaForCausalLM(nn.Module):
                     "and heads of at most 256")
         if self._native:
             if self._stack is None:
-                return ("on native 4-bit weights deterministic steps need the whole-step C kernel: a plain "
-                        "Llama-family GGUF model with Q4_0/Q4_1 projections on a CPU with AVX512-BF16 (this model: "
+                return ("on native quantized weights deterministic steps need the whole-step C kernel: a plain "
+                        "Llama-family GGUF model whose every projection is in a packed format (Q4_0, Q4_1, Q5_0, "
+                        "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on a CPU with AVX512-BF16 (this model: "
                         f"{self.config.architecture}); weights='dense' runs them on the dense weights")
             if self._invariant_lm_head is None:
-                return "deterministic steps need the GGUF file's LM head stored as Q4_0, Q4_1 or Q8_0"
+                return ("deterministic steps need the GGUF file's LM head stored in a packed format (Q4_0, Q4_1, "
+                        "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)")
             return None
         if cpu.rowwise_matmul() is None:
             return "deterministic steps on dense weights need radixrt's rowwise matmul: a C compiler"

@@ -31,7 +31,6 @@ from radixrt.model.checkpoint import checkpoint_bytes, checkpoint_weights
 from radixrt.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixrt.model.gguf_cache import gguf_to_hf_folder
 from radixrt.model.gguf_file import GGUFFile
-from radixrt.model.gguf_int4 import SUPPORTED_TYPES
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.start_record import read_record, write_record
 from radixrt.model.tokenizer import Tokenizer
@@ -205,11 +204,11 @@ def load_model(
         if file is None or not gguf_loader.is_native_architecture(file):
             raise ValueError(
                 f"weights='native' needs a GGUF model of architecture {', '.join(gguf_loader.NATIVE_ARCHITECTURES)} "
-                f"with {' or '.join(SUPPORTED_TYPES)} projections; {name} is "
+                f"with quantized projections; {name} is "
                 f"{'a Hugging Face folder' if file is None else repr(file.architecture)} (use weights='dense')"
             )
         if resolved_device.type != "cpu":
-            raise ValueError(f"weights='native' runs on the CPU (the 4-bit CPU kernels); device is {resolved_device}")
+            raise ValueError(f"weights='native' runs on the CPU (the quantized CPU kernels); device is {resolved_device}")
     if file is not None and gguf_loader.is_native_architecture(file):
         return _load_gguf(file, name, resolved_device, resolved_dtype, weights == "native", kv_pool_bytes)
     if file is not None:

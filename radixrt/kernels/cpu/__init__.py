@@ -295,6 +295,9 @@ class QuantizedMatmul:
         self._gather_fn = library.radixrt_matrix_gather_bf16
         self._gather_fn.argtypes = [pointer, pointer, i64, pointer]  # w, ids, n, out
         self._gather_fn.restype = i32
+        self._dequantize_fn = library.radixrt_matrix_dequantize_bf16
+        self._dequantize_fn.argtypes = [pointer, pointer, i32]  # w, out, threads
+        self._dequantize_fn.restype = i32
         self.tile_bytes = TileBytes(library)
         self._matrices: dict[tuple[int, tuple[PackedPart, ...], int], PackedMatrix] = {}
 
@@ -353,6 +356,17 @@ class QuantizedMatmul:
         if self._gather_fn(ctypes.byref(self.matrix(weight)), ids.data_ptr(), ids.numel(), out.data_ptr()):
             raise IndexError(f"a token id outside the embedding's rows 0 .. {weight.num_rows - 1}")
         return out
+
+    def dequantize(self, weight: PackedWeight, out: torch.Tensor) -> torch.Tensor:
+        """The whole weight as bf16 into `out` (at least N * K contiguous bf16 elements), each value
+        rounded once from its exact one; returned as [N, K]."""
+        num_cols = weight.columns()
+        size = weight.num_rows * num_cols
+        if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() < size:
+            raise ValueError(f"out must hold {size} contiguous bf16 elements")
+        if self._dequantize_fn(ctypes.byref(self.matrix(weight)), out.data_ptr(), _threads()):
+            raise ValueError(f"the dequantizer refused a weight of parts {weight.layout()}")
+        return out.view(-1)[:size].view(weight.num_rows, num_cols)
 
     def supports(self, shape: tuple[int, int]) -> bool:
         """Whether a [N, K] weight fits the layout: N a multiple of 16 rows, K of 32 inputs."""

@@ -135,3 +135,21 @@ int radixrt_matrix_gather_bf16(const PackedMatrix *w, const int64_t *ids, int64_
     for (int64_t i = 0; i < n; i++) radixrt_matrix_row_bf16(w, ids[i], out + i * w->num_cols);
     return 0;
 }
+
+/* The whole matrix as bf16 (out [rows, num_cols]), its tiles split over num_threads: for a step
+ * of many rows, which multiplies faster densely. Returns 0, -2 for a matrix radixrt_matrix_check
+ * refuses (nothing written). */
+int radixrt_matrix_dequantize_bf16(const PackedMatrix *w, uint16_t *out, int num_threads) {
+    const int64_t num_rows = radixrt_matrix_rows(w), num_tiles = num_rows / QUANTIZED_TILE_ROWS;
+    if (radixrt_matrix_check(w, num_rows, w->num_cols, 0)) return -2;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tiles; t++) {
+        int64_t tile = t;
+        int p = 0;
+        while (tile >= w->parts[p].num_rows / QUANTIZED_TILE_ROWS) tile -= w->parts[p++].num_rows / QUANTIZED_TILE_ROWS;
+        radixrt_format_dequantize_tiles_bf16(w->parts[p].format, w->parts[p].tiles, w->num_cols,
+                                             tile * QUANTIZED_TILE_ROWS, (tile + 1) * QUANTIZED_TILE_ROWS,
+                                             out + t * QUANTIZED_TILE_ROWS * w->num_cols);
+    }
+    return 0;
+}
