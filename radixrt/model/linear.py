@@ -98,7 +98,7 @@ def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = Non
 # Rows from which `packed` multiplies densely: more than the whole-step kernel takes a step
 # (llama.STACK_MAX_ROWS), i.e. prefill chunks. The quantized kernel's cost grows with every row
 # (it is compute-bound there), while dequantizing the weight once costs the same for any rows
-# and leaves a bf16 GEMM (docs/kernels.md has the figures).
+# and leaves a bf16 GEMM (docs/benchmarks.md, "Real models: loading a GGUF natively").
 DENSE_MIN_ROWS = 65
 
 
