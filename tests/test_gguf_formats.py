@@ -25,6 +25,7 @@ from radixrt.paths import CACHE_ENV_VAR
 from radixrt.sampling.params import SamplingParams
 from radixrt.sampling.sampler import run_sampling
 from tests.test_decode_run import deterministic_runner, sequences, step_by_step
+from tests.test_decode_stack import both_paths, make_batch
 from tests.test_gguf_native import file_order, logits_of, with_dims
 
 # K-quant rows are whole blocks of 256 inputs: every projection's inputs are 256 or 512 wide
@@ -134,6 +135,16 @@ def test_a_native_load_holds_no_dense_projection_head_or_embedding(mix):
     assert model.embed_tokens.numel() == 0 and model.lm_head.numel() == 0
     live = sum(p.numel() * p.element_size() for p in model.parameters())
     assert live == (1 + 2 * SHAPE.num_layers) * SHAPE.hidden * 2, "norms only: the rest is the file's, packed"
+
+
+def test_the_whole_step_kernel_is_bit_identical_to_the_layer_path_on_mixed_formats(mix):
+    """Decode steps of the Q4_K_M mix through the whole-step kernel and through the layers one at
+    a time (int4_layer.c, the packed embedding looked up in Python, the head's own call): the
+    same logits and K/V bit for bit."""
+    batch, num_slots = make_batch([(300, 1), (5, 1), (0, 1), (40, 1)], shared=0, seed=4)
+    (stacked, stacked_k), (layered, layered_k) = both_paths(mix.model, batch, num_slots, seed=1)
+    assert torch.equal(stacked, layered)
+    assert all(torch.equal(a, b) for a, b in zip(stacked_k, layered_k))
 
 
 def test_a_decode_run_gives_what_single_steps_give(mix):
