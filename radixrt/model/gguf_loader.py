@@ -202,7 +202,7 @@ def _packed(parts: list[GGUFTensor], config: ModelConfig,
         rows = torch.arange(part.shape[0]) if order is None else order
         addresses.append(part.data.ctypes.data + rows * part.data.shape[1])
     if all(part.type_name in gguf_int4.SUPPORTED_TYPES for part in parts):
-        kinds = [torch.full((part.shape[0],), 1 if part.type_name == "Q4_1" else 0, dtype=torch.uint8) for part in parts]
+        kinds = [torch.full((part.shape[0],), int(part.type_name == "Q4_1"), dtype=torch.uint8) for part in parts]
         return matmul.pack_gguf_q4(torch.cat(addresses), torch.cat(kinds), num_cols, out)
     runs: list[tuple[int, list[torch.Tensor]]] = []
     for part, rows in zip(parts, addresses):

@@ -240,7 +240,8 @@ def _load_gguf(file: GGUFFile, name: str, device: torch.device, dtype: torch.dty
                kv_pool_bytes: Callable[[KVShape], int] | None) -> LoadedModel:
     started = time.perf_counter()
     config, tokenizer, read_hf_config = gguf_loader.config_and_tokenizer(file)
-    plan = gguf_plan.plan_tensors(file, config, native, gguf_loader.native_runs(dtype), gguf_loader.lookup_runs(dtype))
+    plan = gguf_plan.plan_tensors(file, config, native, gguf_loader.native_runs(dtype),
+                                  gguf_loader.lookup_runs(dtype))
     native = any(plan.native) or plan.head is not None  # else every tensor fell back to dense
     gguf_plan.check_memory(file, plan, config, device, dtype, kv_pool_bytes)
     logger.info("loading %s: %.0f MB of GGUF tensors from %s as %s on %s, %s", name, file.path.stat().st_size / 2**20,

@@ -290,7 +290,8 @@ class QuantizedMatmul:
         self._pack_format.argtypes = [i32, pointer, i64, i64, pointer, i32]  # format, rows, N, K, out, threads
         self._pack_format.restype = i32
         self._matrix_fn = library.radixrt_matrix_matmul_bf16
-        self._matrix_fn.argtypes = [pointer, i64, i64, pointer, pointer, pointer, i32]  # x, stride, M, w, out, bf16, threads
+        # x, stride, M, matrix, out, out bf16, threads
+        self._matrix_fn.argtypes = [pointer, i64, i64, pointer, pointer, pointer, i32]
         self._matrix_fn.restype = i32
         self._gather_fn = library.radixrt_matrix_gather_bf16
         self._gather_fn.argtypes = [pointer, pointer, i64, pointer]  # w, ids, n, out
@@ -633,8 +634,9 @@ class DecodeStack:
         self.balance = ProductBalance(library)
         self.tile_bytes = TileBytes(library)
 
-    def weights(self, embedding: PackedWeight | torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor | None,
-                head: PackedWeight | None, eps: float, heads: tuple[int, int, int], intermediate: int) -> StackWeights:
+    def weights(self, embedding: PackedWeight | torch.Tensor, layers: list[LayerWeights],
+                final_norm: torch.Tensor | None, head: PackedWeight | None, eps: float, heads: tuple[int, int, int],
+                intermediate: int) -> StackWeights:
         """The model handle these kernels read (`stack_model.StackWeights`, keeping the weights alive):
         `embedding` [vocab, dim] bf16 or packed (its rows dequantized as looked up), every layer's
         norms and packed projections, and with `head` the final norm and packed LM head."""

@@ -184,7 +184,8 @@ int radixrt_stack_model_check(const StackModel *m) {
 static int64_t scratch_bytes(const StackModel *m, int64_t rows, int64_t logit_rows) {
     int64_t most = m->head != NULL ? radixrt_matrix_scratch_bytes(m->head, logit_rows) : 0;
     for (int i = 0; i < m->num_layers; i++) {
-        const PackedMatrix *weights[4] = {&m->layers[i].qkv, &m->layers[i].o, &m->layers[i].gate_up, &m->layers[i].down};
+        const StackLayer *l = &m->layers[i];
+        const PackedMatrix *weights[4] = {&l->qkv, &l->o, &l->gate_up, &l->down};
         for (int w = 0; w < 4; w++) {
             const int64_t bytes = radixrt_matrix_scratch_bytes(weights[w], rows);
             most = bytes > most ? bytes : most;

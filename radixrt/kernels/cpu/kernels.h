@@ -244,7 +244,7 @@ typedef struct {
 } StackLayer;
 
 typedef struct {
-    const PackedMatrix *embedding;   /* [vocab, dim]: rows looked up, dequantized to bf16 (a dense table: FORMAT_BF16) */
+    const PackedMatrix *embedding;   /* [vocab, dim], rows dequantized to bf16 as looked up (dense: FORMAT_BF16) */
     int num_layers;
     const StackLayer *layers;        /* [num_layers] */
     const int64_t *k_pools, *v_pools;  /* [num_layers] addresses of [num_slots, Hkv, D] bf16 pools */

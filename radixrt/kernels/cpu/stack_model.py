@@ -140,6 +140,7 @@ class StackWeights:
         cos, signed_sin = rope_tables
         model = self.struct
         model.balance = balance
-        model.k_pools, model.v_pools, model.num_slots, model.scale = k_pools.data_ptr(), v_pools.data_ptr(), num_slots, scale
+        model.k_pools, model.v_pools = k_pools.data_ptr(), v_pools.data_ptr()
+        model.num_slots, model.scale = num_slots, scale
         model.cos, model.signed_sin, model.table_rows = cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0]
         return model
