@@ -12,12 +12,9 @@ so a fused projection whose q, k and v the file stores in different formats is o
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from radixrt.kernels.cpu import PackedWeight
 
 MATRIX_MAX_PARTS = 3  # MATRIX_MAX_PARTS in kernels.h: a fused qkv's q, k and v
 # GGUF type numbers (formats.h)
@@ -33,6 +30,20 @@ class PackedPart(NamedTuple):
 
     format: int  # GGUF type number
     num_rows: int
+
+
+class PackedWeight(Protocol):
+    """What a packed weight offers here (`cpu.PackedWeight`): its bytes, parts and width."""
+
+    @property
+    def data(self) -> torch.Tensor: ...
+
+    @property
+    def num_rows(self) -> int: ...
+
+    def layout(self) -> tuple[PackedPart, ...]: ...
+
+    def columns(self) -> int: ...
 
 
 class MatrixPart(ctypes.Structure):
