@@ -31,6 +31,10 @@ from tests.test_gguf_native import file_order, logits_of, with_dims
 # K-quant rows are whole blocks of 256 inputs: every projection's inputs are 256 or 512 wide
 SHAPE = LlamaShape(num_layers=3, hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, tied=False)
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# Q4_0 projections with parts of other formats fused into them (pack_gguf.c's Q4_0 rows beside
+# the formats' own packers in one weight), and a Q5_K embedding beside a Q8_0 head
+LEGACY_MIX = {"blk.0.attn_v.weight": "Q5_1", "blk.0.ffn_up.weight": "Q8_0", "blk.1.attn_k.weight": "Q4_1",
+              "blk.2.attn_q.weight": "Q6_K", "token_embd.weight": "Q5_K"}  # fmt: skip
 # A native run multiplies by the file's exact weights with float32 sums, the dense run by bf16
 # weights through bf16 GEMMs: logits (~3 at most here) differ by the weights' bf16 rounding
 LOGIT_ATOL = 0.05
@@ -50,7 +54,8 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("formats")
-    written = {"Q4_K_M": write_llama_gguf(folder / "q4_k_m.gguf", SHAPE, mix="Q4_K_M", seed=3)}
+    written = {"Q4_K_M": write_llama_gguf(folder / "q4_k_m.gguf", SHAPE, mix="Q4_K_M", seed=3),
+               "legacy mix": write_llama_gguf(folder / "legacy.gguf", SHAPE, types=LEGACY_MIX, seed=9)}
     for seed, kind in enumerate(FORMATS):
         written[kind] = write_llama_gguf(folder / f"{kind.lower()}.gguf", SHAPE, projection_type=kind,
                                          embedding_type=kind, seed=seed)  # fmt: skip
@@ -112,7 +117,7 @@ def check_packed_weights(loaded: LoadedModel, path: Path) -> None:
     assert torch.equal(model._embed(ids), expected["token_embd.weight"][ids].to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K_M", *FORMATS])
+@pytest.mark.parametrize("kind", ["Q4_K_M", "legacy mix", *FORMATS])
 def test_each_format_packs_to_ggufs_values_and_runs_as_a_dense_run_of_them(files, kind):
     """The packed weights are gguf's (`check_packed_weights`); logits within LOGIT_ATOL of a dense
     run's and the same greedy token, for a step the whole-step kernel runs and for a prompt longer
