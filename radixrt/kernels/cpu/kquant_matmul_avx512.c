@@ -80,22 +80,24 @@ static inline __attribute__((always_inline)) void decode_chunk(int format, __m51
 }
 
 /*
- * Each tile's stream is asked for `ahead` units on (near, into L1 with the non-temporal hint),
- * and with a single row (memory-bound) three times as far into L2 as well: line i of that unit
- * beside load i of this one (a unit has no more lines than loads). Near a tile's end the
- * requests go to the next block's tile instead of the tile after (already in this block).
- * quantized_matmul.c's prefetch_next_group says why each of these holds.
+ * Each tile's stream is asked for PREFETCH_BYTES / nt bytes on (near, the non-temporal hint), so
+ * that a block keeps about as much in flight as quantized_matmul.c's 4-bit kernel, and with a
+ * single row (memory-bound) three times as far into L2 as well: one request per load, line
+ * `line` of the unit on from this one (a unit has no more lines than loads, so the requests keep
+ * pace with the reads). Requests that would pass the tile's end go to the next block's tile
+ * instead of the tile after (already in this block). quantized_matmul.c's prefetch_next_group
+ * says why each of these holds.
  */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *unit, int format, int line, int nt,
                                                                 int64_t u, int64_t units, int far) {
     const int unit_bytes = layout_unit_bytes(format);
-    const int ahead = nt * unit_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / (nt * unit_bytes);
     if (64 * line >= unit_bytes) return;
-    const int64_t wrap_near = u + ahead >= units ? (int64_t)(nt - 1) * units : 0;
-    _mm_prefetch((const char *)unit + (ahead + wrap_near) * unit_bytes + 64 * line, _MM_HINT_NTA);
+    const int64_t near = PREFETCH_BYTES / nt, at = u * unit_bytes + 64 * line, tile_bytes = units * unit_bytes;
+    const int64_t wrap_near = at + near >= tile_bytes ? (int64_t)(nt - 1) * tile_bytes : 0;
+    _mm_prefetch((const char *)unit + 64 * line + near + wrap_near, _MM_HINT_NTA);
     if (far) {
-        const int64_t wrap_far = u + 3 * ahead >= units ? (int64_t)(nt - 1) * units : 0;
-        _mm_prefetch((const char *)unit + (3 * ahead + wrap_far) * unit_bytes + 64 * line, _MM_HINT_T1);
+        const int64_t wrap_far = at + 3 * near >= tile_bytes ? (int64_t)(nt - 1) * tile_bytes : 0;
+        _mm_prefetch((const char *)unit + 64 * line + 3 * near + wrap_far, _MM_HINT_T1);
     }
 }
 
