@@ -81,8 +81,10 @@ def test_dequantized_tiles_are_ggufs_weights_in_bf16(kernels, name, tiles, block
     weight = kernels.pack_blocks(FORMATS[name], torch.from_numpy(file_rows))
     first = min(first, num_rows - 1)
     last = min(first + count, num_rows)
-    got = kernels.dequantize(weight, first, last)
-    assert torch.equal(got.view(torch.int16), bf16_bits(dense_weight(name, file_rows)[first:last]))
+    expected = bf16_bits(dense_weight(name, file_rows)[first:last])
+    for portable in (False, True):
+        got = kernels.dequantize(weight, first, last, portable=portable)
+        assert torch.equal(got.view(torch.int16), expected), portable
 
 
 @settings(max_examples=40, deadline=None)

@@ -146,9 +146,20 @@ static void dequantize_delegated(int format, const uint8_t *tiles, int64_t num_c
     }
 }
 
-void radixrt_format_dequantize_tiles_bf16(int format, const uint8_t *tiles, int64_t num_cols, int64_t first_row,
-                                          int64_t last_row, uint16_t *out) {
+void radixrt_format_dequantize_tiles_bf16_portable(int format, const uint8_t *tiles, int64_t num_cols,
+                                                   int64_t first_row, int64_t last_row, uint16_t *out) {
     if (!shape_fits(format, 0, num_cols) || first_row < 0 || last_row <= first_row) return;
     if (delegated_bits(format)) dequantize_delegated(format, tiles, num_cols, first_row, last_row, out);
     else kquant_dequantize_tiles_bf16(format, tiles, num_cols, first_row, last_row, out);
+}
+
+void radixrt_format_dequantize_tiles_bf16(int format, const uint8_t *tiles, int64_t num_cols, int64_t first_row,
+                                          int64_t last_row, uint16_t *out) {
+#if RADIXRT_ISA_AVX512
+    if (layout_serves(format) && shape_fits(format, 0, num_cols) && first_row >= 0 && last_row > first_row) {
+        kquant_dequantize_tiles_bf16_avx512(format, tiles, num_cols, first_row, last_row, out);
+        return;
+    }
+#endif
+    radixrt_format_dequantize_tiles_bf16_portable(format, tiles, num_cols, first_row, last_row, out);
 }
