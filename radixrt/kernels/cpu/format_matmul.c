@@ -156,9 +156,15 @@ void radixrt_format_dequantize_tiles_bf16_portable(int format, const uint8_t *ti
 void radixrt_format_dequantize_tiles_bf16(int format, const uint8_t *tiles, int64_t num_cols, int64_t first_row,
                                           int64_t last_row, uint16_t *out) {
 #if RADIXRT_ISA_AVX512
-    if (layout_serves(format) && shape_fits(format, 0, num_cols) && first_row >= 0 && last_row > first_row) {
-        kquant_dequantize_tiles_bf16_avx512(format, tiles, num_cols, first_row, last_row, out);
-        return;
+    if (shape_fits(format, 0, num_cols) && first_row >= 0 && last_row > first_row) {
+        if (layout_serves(format)) {
+            kquant_dequantize_tiles_bf16_avx512(format, tiles, num_cols, first_row, last_row, out);
+            return;
+        }
+        if (delegated_bits(format) == 4) {
+            dequantize_nibble_tiles_bf16_avx512(format, tiles, num_cols, first_row, last_row, out);
+            return;
+        }
     }
 #endif
     radixrt_format_dequantize_tiles_bf16_portable(format, tiles, num_cols, first_row, last_row, out);
