@@ -132,6 +132,44 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernels, name, tiles, m, see
             assert torch.equal(split, whole)
 
 
+def tiles_function(portable: bool) -> ctypes._CFuncPtr:
+    library = cpu._load()
+    assert library is not None
+    function = getattr(library, "radixrt_format_matmul_tiles" + ("_portable" if portable else ""))
+    i64, pointer = ctypes.c_int64, ctypes.c_void_p
+    function.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, i64, pointer, pointer, pointer, i64, i64]
+    function.restype = None
+    return function
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=formats, tiles=st.integers(1, 9), m=st.integers(1, 12), seed=st.integers(0, 2**16), data=st.data())
+def test_a_tile_range_writes_its_columns_only_with_the_whole_products_bits(kernels, name, tiles, m, seed, data):
+    """radixrt_format_matmul_tiles over [first, last): those 16-column groups as the whole product
+    has them, bit for bit; every other column untouched."""
+    rng = np.random.default_rng(seed)
+    number = FORMATS[name]
+    num_rows, num_cols = 16 * tiles, BLOCKS[number][0] * 2
+    weight = kernels.pack_blocks(number, torch.from_numpy(random_blocks(name, num_rows, num_cols, rng)))
+    x = torch.from_numpy(rng.standard_normal((m, num_cols)).astype(np.float32)).to(torch.bfloat16)
+    first = data.draw(st.integers(0, tiles - 1))
+    last = data.draw(st.integers(first + 1, tiles))
+    library = cpu._load()
+    assert library is not None
+    library.radixrt_format_matmul_scratch_bytes.restype = ctypes.c_int64
+    scratch_bytes = library.radixrt_format_matmul_scratch_bytes(number, ctypes.c_int64(m), ctypes.c_int64(num_cols))
+    scratch = torch.empty(scratch_bytes + 64, dtype=torch.uint8)
+    for portable in kernel_variants(name):
+        whole = kernels(x, weight, torch.empty(m, num_rows), portable=portable)
+        out = torch.full((m, num_rows), 7.0)
+        tiles_function(portable)(number, x.data_ptr(), x.stride(0), m, weight.data.data_ptr(), num_rows, num_cols,
+                                 out.data_ptr(), None, scratch.data_ptr(), first, last)
+        inside = slice(16 * first, 16 * last)
+        assert torch.equal(out[:, inside], whole[:, inside])
+        out[:, inside] = 7.0
+        assert (out == 7.0).all()
+
+
 def test_packed_bytes_stay_near_the_files(kernels):
     for name, number in FORMATS.items():
         elements, block_bytes = BLOCKS[number]
@@ -163,6 +201,13 @@ def test_bad_formats_and_shapes_are_refused_and_write_nothing(kernels):
            ctypes.c_void_p(out.ctypes.data), ctypes.c_int64(16), ctypes.c_int64(512), ctypes.c_void_p(result.data_ptr()),
            None, ctypes.c_void_p(scratch.data_ptr()), ctypes.c_int64(0), ctypes.c_int64(1))
     assert (result == 7.0).all()
+    dequantize = library.radixrt_format_dequantize_tiles_bf16
+    dequantize.restype = None
+    values = torch.full((16, 512), 3.0, dtype=torch.bfloat16)
+    for format, num_cols in ((99, 512), (FORMATS["Q6_K"], 320)):
+        dequantize(format, ctypes.c_void_p(out.ctypes.data), ctypes.c_int64(num_cols), ctypes.c_int64(0),
+                   ctypes.c_int64(16), ctypes.c_void_p(values.data_ptr()))
+        assert (values == 3.0).all()
     with pytest.raises(ValueError, match="format"):
         kernels.pack(99, torch.from_numpy(addresses), 512)
     with pytest.raises(ValueError, match="multiple"):
