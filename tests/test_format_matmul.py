@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from radixrt.benchmarks.gguf_models import _random_blocks
 from radixrt.kernels import cpu
 from radixrt.kernels.cpu.formats import BLOCKS, FORMATS, FormatMatmul, FormatWeight, format_matmul
-from tests.test_quantized_matmul import rounding_bound
 
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 NATIVE = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")  # format_layout.h's own kernels
@@ -52,12 +51,19 @@ def bf16_bits(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).view(torch.int16)
 
 
-def error_bound(name: str, x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """4 K 2^-24 sum |w x| per output (float32 accumulation over K terms); the delegated formats
-    as tests/test_quantized_matmul.py bounds their kernel (which may round inputs to integers)."""
+def error_bound(name: str, x: torch.Tensor, dense: torch.Tensor, file_rows: np.ndarray) -> torch.Tensor:
+    """4 K 2^-24 sum |w x| per output (float32 accumulation over K terms). The delegated formats'
+    kernel may round each input to an integer of its group's step max|x| / 32639 or finer first
+    (tests/test_quantized_matmul.py): that moves a product by half a step times |d q| per term,
+    |d q| <= 15 |d| (4-bit) or 128 |d| (8-bit), d the fp16 scale each of their blocks begins with."""
+    xd = x.double()
+    bound = 4 * x.shape[1] * 2.0**-24 * (xd.abs() @ dense.double().abs().t())
     if name in DELEGATED:
-        return rounding_bound(x, dense, 8 if name == "Q8_0" else 4)
-    return 4 * x.shape[1] * 2.0**-24 * (x.double().abs() @ dense.double().abs().t())
+        d = np.abs(file_rows.reshape(file_rows.shape[0], -1, BLOCKS[FORMATS[name]][1])[..., :2].copy().view(np.float16))
+        codes = torch.from_numpy(d[..., 0].astype(np.float64) * (128 if name == "Q8_0" else 15)).repeat_interleave(32, 1)
+        step = xd.abs().reshape(xd.shape[0], -1, 32).amax(-1) / 32639
+        bound += 1e-5 * (xd.abs() @ dense.double().abs().t()) + (0.5001 * step).repeat_interleave(32, 1) @ codes.t()
+    return bound
 
 
 def kernel_variants(name: str) -> list[bool]:
@@ -99,7 +105,7 @@ def test_products_are_within_float32_accumulation_of_the_exact_one(kernels, name
     dense = dense_weight(name, file_rows)
     x = torch.from_numpy(rng.standard_normal((m, num_cols + pad)).astype(np.float32)).to(torch.bfloat16)[:, :num_cols]
     exact = x.double() @ dense.double().t()
-    bound = error_bound(name, x, dense)
+    bound = error_bound(name, x, dense, file_rows)
     for portable in kernel_variants(name):
         got = kernels(x, weight, torch.empty(m, num_rows), portable=portable)
         assert ((got.double() - exact).abs() <= bound).all(), (name, portable, (got.double() - exact).abs().max())
