@@ -22,7 +22,7 @@ from radixrt.kernels.cpu.formats import BLOCKS, FORMATS, FormatMatmul, FormatWei
 
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 NATIVE = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")  # format_layout.h's own kernels
-DELEGATED = ("Q4_0", "Q4_1", "Q8_0")  # quantized_matmul.c's (AVX512-BF16 builds only for now)
+DELEGATED = ("Q4_0", "Q4_1", "Q8_0")  # quantized_matmul.c's
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +51,24 @@ def bf16_bits(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).view(torch.int16)
 
 
-def error_bound(name: str, x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """4 K 2^-24 sum |w x| per output (float32 accumulation over K terms); Q8_0's kernel also rounds
-    each input to a 16-bit integer of its group's step max|x| / 32639 (quantized_matmul.c)."""
-    xd, wd = x.double(), dense.double().abs()
-    bound = 4 * x.shape[1] * 2.0**-24 * (xd.abs() @ wd.t())
-    if name == "Q8_0":
+def error_bound(name: str, x: torch.Tensor, dense: torch.Tensor, file_rows: np.ndarray) -> torch.Tensor:
+    """4 K 2^-24 sum |w x| per output (float32 accumulation over K terms). The delegated formats'
+    kernel may round each input to an integer of its group's step max|x| / 32639 or finer first
+    (tests/test_quantized_matmul.py): that moves a product by half a step times |d q| per term,
+    |d q| <= 15 |d| (4-bit) or 128 |d| (8-bit), d the fp16 scale each of their blocks begins with."""
+    xd = x.double()
+    bound = 4 * x.shape[1] * 2.0**-24 * (xd.abs() @ dense.double().abs().t())
+    if name in DELEGATED:
+        d = np.abs(file_rows.reshape(file_rows.shape[0], -1, BLOCKS[FORMATS[name]][1])[..., :2].copy().view(np.float16))
+        codes = torch.from_numpy(d[..., 0].astype(np.float64) * (128 if name == "Q8_0" else 15)).repeat_interleave(32, 1)
         step = xd.abs().reshape(xd.shape[0], -1, 32).amax(-1) / 32639
-        bound += (0.5001 * step).repeat_interleave(32, 1) @ wd.t()
+        bound += 1e-5 * (xd.abs() @ dense.double().abs().t()) + (0.5001 * step).repeat_interleave(32, 1) @ codes.t()
     return bound
 
 
 def kernel_variants(name: str) -> list[bool]:
-    """portable flags to test: the delegated formats' kernel runs on AVX512-BF16 CPUs only."""
+    """portable flags to test: the delegated formats' kernels are tests/test_quantized_matmul.py's
+    to compare (their dispatched one runs here, where the library has one)."""
     if name in DELEGATED:
         return [False] if cpu.quantized_matmul() is not None else []
     return [False, True]
@@ -81,8 +86,10 @@ def test_dequantized_tiles_are_ggufs_weights_in_bf16(kernels, name, tiles, block
     weight = kernels.pack_blocks(FORMATS[name], torch.from_numpy(file_rows))
     first = min(first, num_rows - 1)
     last = min(first + count, num_rows)
-    got = kernels.dequantize(weight, first, last)
-    assert torch.equal(got.view(torch.int16), bf16_bits(dense_weight(name, file_rows)[first:last]))
+    expected = bf16_bits(dense_weight(name, file_rows)[first:last])
+    for portable in (False, True):
+        got = kernels.dequantize(weight, first, last, portable=portable)
+        assert torch.equal(got.view(torch.int16), expected), portable
 
 
 @settings(max_examples=40, deadline=None)
@@ -98,7 +105,7 @@ def test_products_are_within_float32_accumulation_of_the_exact_one(kernels, name
     dense = dense_weight(name, file_rows)
     x = torch.from_numpy(rng.standard_normal((m, num_cols + pad)).astype(np.float32)).to(torch.bfloat16)[:, :num_cols]
     exact = x.double() @ dense.double().t()
-    bound = error_bound(name, x, dense)
+    bound = error_bound(name, x, dense, file_rows)
     for portable in kernel_variants(name):
         got = kernels(x, weight, torch.empty(m, num_rows), portable=portable)
         assert ((got.double() - exact).abs() <= bound).all(), (name, portable, (got.double() - exact).abs().max())
@@ -128,6 +135,44 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernels, name, tiles, m, see
             with cpu.kernel_threads(threads):
                 split = kernels(x, weight, torch.empty(m, num_rows), portable=portable)
             assert torch.equal(split, whole)
+
+
+def tiles_function(portable: bool) -> ctypes._CFuncPtr:
+    library = cpu._load()
+    assert library is not None
+    function = getattr(library, "radixrt_format_matmul_tiles" + ("_portable" if portable else ""))
+    i64, pointer = ctypes.c_int64, ctypes.c_void_p
+    function.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, i64, pointer, pointer, pointer, i64, i64]
+    function.restype = None
+    return function
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=formats, tiles=st.integers(1, 9), m=st.integers(1, 12), seed=st.integers(0, 2**16), data=st.data())
+def test_a_tile_range_writes_its_columns_only_with_the_whole_products_bits(kernels, name, tiles, m, seed, data):
+    """radixrt_format_matmul_tiles over [first, last): those 16-column groups as the whole product
+    has them, bit for bit; every other column untouched."""
+    rng = np.random.default_rng(seed)
+    number = FORMATS[name]
+    num_rows, num_cols = 16 * tiles, BLOCKS[number][0] * 2
+    weight = kernels.pack_blocks(number, torch.from_numpy(random_blocks(name, num_rows, num_cols, rng)))
+    x = torch.from_numpy(rng.standard_normal((m, num_cols)).astype(np.float32)).to(torch.bfloat16)
+    first = data.draw(st.integers(0, tiles - 1))
+    last = data.draw(st.integers(first + 1, tiles))
+    library = cpu._load()
+    assert library is not None
+    library.radixrt_format_matmul_scratch_bytes.restype = ctypes.c_int64
+    scratch_bytes = library.radixrt_format_matmul_scratch_bytes(number, ctypes.c_int64(m), ctypes.c_int64(num_cols))
+    scratch = torch.empty(scratch_bytes + 64, dtype=torch.uint8)
+    for portable in kernel_variants(name):
+        whole = kernels(x, weight, torch.empty(m, num_rows), portable=portable)
+        out = torch.full((m, num_rows), 7.0)
+        tiles_function(portable)(number, x.data_ptr(), x.stride(0), m, weight.data.data_ptr(), num_rows, num_cols,
+                                 out.data_ptr(), None, scratch.data_ptr(), first, last)
+        inside = slice(16 * first, 16 * last)
+        assert torch.equal(out[:, inside], whole[:, inside])
+        out[:, inside] = 7.0
+        assert (out == 7.0).all()
 
 
 def test_packed_bytes_stay_near_the_files(kernels):
@@ -161,6 +206,13 @@ def test_bad_formats_and_shapes_are_refused_and_write_nothing(kernels):
            ctypes.c_void_p(out.ctypes.data), ctypes.c_int64(16), ctypes.c_int64(512), ctypes.c_void_p(result.data_ptr()),
            None, ctypes.c_void_p(scratch.data_ptr()), ctypes.c_int64(0), ctypes.c_int64(1))
     assert (result == 7.0).all()
+    dequantize = library.radixrt_format_dequantize_tiles_bf16
+    dequantize.restype = None
+    values = torch.full((16, 512), 3.0, dtype=torch.bfloat16)
+    for format, num_cols in ((99, 512), (FORMATS["Q6_K"], 320)):
+        dequantize(format, ctypes.c_void_p(out.ctypes.data), ctypes.c_int64(num_cols), ctypes.c_int64(0),
+                   ctypes.c_int64(16), ctypes.c_void_p(values.data_ptr()))
+        assert (values == 3.0).all()
     with pytest.raises(ValueError, match="format"):
         kernels.pack(99, torch.from_numpy(addresses), 512)
     with pytest.raises(ValueError, match="multiple"):

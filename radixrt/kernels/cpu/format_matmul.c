@@ -20,6 +20,13 @@ int radixrt_pack_gguf_q4_rows(const int64_t *rows, const uint8_t *kinds, int64_t
                               uint8_t *out, int num_threads);
 int radixrt_pack_gguf_q8_rows(const int64_t *rows, int64_t num_rows, int64_t num_cols, uint8_t *out, int num_threads);
 
+/* quantized_matmul.c's plain-C version where the library has one (a weak reference: NULL in
+ * builds whose quantized_matmul.c has none; the dispatched version then stands in) */
+extern void radixrt_quantized_matmul_tiles_portable(const uint16_t *x, int64_t x_stride, int64_t m,
+                                                    const uint8_t *tiles, int bits, int64_t num_rows, int64_t num_cols,
+                                                    float *out, uint16_t *out_bf16, void *scratch, int64_t first,
+                                                    int64_t last) __attribute__((weak));
+
 /* quantized_matmul.c's code width for a format it runs, else 0 */
 static int delegated_bits(int format) {
     return format == FORMAT_Q4_0 || format == FORMAT_Q4_1 ? 4 : format == FORMAT_Q8_0 ? 8 : 0;
@@ -70,8 +77,10 @@ void radixrt_format_matmul_tiles_portable(int format, const uint16_t *x, int64_t
                                           const uint8_t *tiles, int64_t num_rows, int64_t num_cols, float *out,
                                           uint16_t *out_bf16, void *scratch, int64_t first_tile, int64_t last_tile) {
     if (delegated_bits(format)) {
-        radixrt_quantized_matmul_tiles(x, x_stride, m, tiles, delegated_bits(format), num_rows, num_cols, out,
-                                       out_bf16, scratch, first_tile, last_tile);
+        (radixrt_quantized_matmul_tiles_portable != NULL ? radixrt_quantized_matmul_tiles_portable
+                                                         : radixrt_quantized_matmul_tiles)(
+            x, x_stride, m, tiles, delegated_bits(format), num_rows, num_cols, out, out_bf16, scratch, first_tile,
+            last_tile);
     } else if (layout_serves(format)) {
         kquant_matmul_tiles_portable(format, x, x_stride, m, tiles, num_rows, num_cols, out, out_bf16, scratch,
                                      first_tile, last_tile);
@@ -88,8 +97,12 @@ void radixrt_format_matmul_tiles(int format, const uint16_t *x, int64_t x_stride
         return;
     }
 #endif
-    radixrt_format_matmul_tiles_portable(format, x, x_stride, m, tiles, num_rows, num_cols, out, out_bf16, scratch,
-                                         first_tile, last_tile);
+    if (delegated_bits(format))
+        radixrt_quantized_matmul_tiles(x, x_stride, m, tiles, delegated_bits(format), num_rows, num_cols, out, out_bf16,
+                                       scratch, first_tile, last_tile);
+    else
+        radixrt_format_matmul_tiles_portable(format, x, x_stride, m, tiles, num_rows, num_cols, out, out_bf16, scratch,
+                                             first_tile, last_tile);
 }
 
 int radixrt_format_matmul_bf16(int format, int portable, const uint16_t *x, int64_t x_stride, int64_t m,
@@ -146,9 +159,26 @@ static void dequantize_delegated(int format, const uint8_t *tiles, int64_t num_c
     }
 }
 
-void radixrt_format_dequantize_tiles_bf16(int format, const uint8_t *tiles, int64_t num_cols, int64_t first_row,
-                                          int64_t last_row, uint16_t *out) {
+void radixrt_format_dequantize_tiles_bf16_portable(int format, const uint8_t *tiles, int64_t num_cols,
+                                                   int64_t first_row, int64_t last_row, uint16_t *out) {
     if (!shape_fits(format, 0, num_cols) || first_row < 0 || last_row <= first_row) return;
     if (delegated_bits(format)) dequantize_delegated(format, tiles, num_cols, first_row, last_row, out);
     else kquant_dequantize_tiles_bf16(format, tiles, num_cols, first_row, last_row, out);
+}
+
+void radixrt_format_dequantize_tiles_bf16(int format, const uint8_t *tiles, int64_t num_cols, int64_t first_row,
+                                          int64_t last_row, uint16_t *out) {
+#if RADIXRT_ISA_AVX512
+    if (shape_fits(format, 0, num_cols) && first_row >= 0 && last_row > first_row) {
+        if (layout_serves(format)) {
+            kquant_dequantize_tiles_bf16_avx512(format, tiles, num_cols, first_row, last_row, out);
+            return;
+        }
+        if (delegated_bits(format) == 4) {
+            dequantize_nibble_tiles_bf16_avx512(format, tiles, num_cols, first_row, last_row, out);
+            return;
+        }
+    }
+#endif
+    radixrt_format_dequantize_tiles_bf16_portable(format, tiles, num_cols, first_row, last_row, out);
 }

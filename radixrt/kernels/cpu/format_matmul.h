@@ -53,5 +53,8 @@ int radixrt_format_matmul_bf16(int format, int portable, const uint16_t *x, int6
  * value rounded to nearest even. Nothing is written for an unknown format or shape. */
 void radixrt_format_dequantize_tiles_bf16(int format, const uint8_t *tiles, int64_t num_cols, int64_t first_row,
                                           int64_t last_row, uint16_t *out);
+/* the plain-C version, the same bits */
+void radixrt_format_dequantize_tiles_bf16_portable(int format, const uint8_t *tiles, int64_t num_cols,
+                                                   int64_t first_row, int64_t last_row, uint16_t *out);
 
 #endif

@@ -47,9 +47,12 @@ class FormatMatmul:
             pointer, i64, i64, pointer, pointer, i32,  # tiles, N, K, out fp32, out bf16, num_threads
         ]
         self._matmul.restype = i32
-        self._dequantize = library.radixrt_format_dequantize_tiles_bf16
-        self._dequantize.argtypes = [i32, pointer, i64, i64, i64, pointer]  # format, tiles, K, first, last, out
-        self._dequantize.restype = None
+        self._dequantize = {}
+        for portable, name in ((False, ""), (True, "_portable")):
+            function = getattr(library, f"radixrt_format_dequantize_tiles_bf16{name}")
+            function.argtypes = [i32, pointer, i64, i64, i64, pointer]  # format, tiles, K, first, last, out
+            function.restype = None
+            self._dequantize[portable] = function
 
     def tile_bytes(self, format: int, num_cols: int) -> int:
         """Bytes of one packed tile of 16 rows; 0 for an unknown format or K not whole blocks."""
@@ -110,13 +113,15 @@ class FormatMatmul:
             raise ValueError(f"format {weight.format} with shape ({weight.num_rows}, {num_cols}) has no kernel")
         return result
 
-    def dequantize(self, weight: FormatWeight, first_row: int = 0, last_row: int | None = None) -> torch.Tensor:
-        """Rows [first_row, last_row) of the packed weight as bf16 [rows, K]."""
+    def dequantize(self, weight: FormatWeight, first_row: int = 0, last_row: int | None = None,
+                   portable: bool = False) -> torch.Tensor:
+        """Rows [first_row, last_row) of the packed weight as bf16 [rows, K] (gguf's float32
+        weights rounded to nearest even). `portable`: the plain-C version (the same bits)."""
         last = weight.num_rows if last_row is None else last_row
         if not 0 <= first_row < last <= weight.num_rows:
             raise ValueError(f"rows [{first_row}, {last}) must lie in [0, {weight.num_rows}] and not be empty")
         result = torch.empty(last - first_row, weight.num_cols, dtype=torch.bfloat16)
-        self._dequantize(weight.format, weight.data.data_ptr(), weight.num_cols, first_row, last, result.data_ptr())
+        self._dequantize[portable](weight.format, weight.data.data_ptr(), weight.num_cols, first_row, last, result.data_ptr())
         return result
 
 

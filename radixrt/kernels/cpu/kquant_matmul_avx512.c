@@ -22,27 +22,11 @@
 #include "isa.h"
 
 #if RADIXRT_ISA_AVX512
-#include <immintrin.h>
+#include "kquant_avx512.h"
 
 #define MAX_TILES 4
 #define MAX_ROWS 8
 #define PREFETCH_BYTES 5120  /* a block's bytes in flight, as quantized_matmul.c's 4-bit kernel */
-#define SELECT_C_A_B 0xE4    /* vpternlog: c ? a : b, bitwise */
-
-typedef struct {
-    __m512i low, high;  /* 64 bf16 entries: 32-entry tables use `low` */
-} Table;
-
-static Table code_table(int format) {
-    const int bias = format == FORMAT_Q6_K ? 32 : format == FORMAT_Q5_0 ? 16 : 0;
-    const int wrap = format == FORMAT_Q4_K ? 16 : 64;  /* Q4_K: the 16 entries twice (bit 4 is B's) */
-    float values[64];
-    for (int i = 0; i < 64; i++) values[i] = (float)(i % wrap - bias);
-    Table t;
-    t.low = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(values + 16), _mm512_loadu_ps(values));
-    t.high = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(values + 48), _mm512_loadu_ps(values + 32));
-    return t;
-}
 
 static inline uint32_t load_pair(const uint16_t *p) {
     uint32_t v;
@@ -50,52 +34,25 @@ static inline uint32_t load_pair(const uint16_t *p) {
     return v;
 }
 
-/* Codes A and B of chunk c's 32 lanes: `bytes` its nibble bytes widened, `high` the lanes' high
- * bits (the half's or pair's plane byte widened). */
-static inline __attribute__((always_inline)) void decode_chunk(int format, __m512i bytes, __m512i high, int c,
-                                                               const Table *table, __m512bh *a, __m512bh *b) {
-    const __m512i nibble_mask = _mm512_set1_epi16(0x0F);
-    const __m512i low_b = _mm512_srli_epi16(bytes, 4);
-    if (format == FORMAT_Q4_K) {
-        *a = (__m512bh)_mm512_permutexvar_epi16(bytes, table->low);
-        *b = (__m512bh)_mm512_permutexvar_epi16(low_b, table->low);
-        return;
-    }
-    if (format == FORMAT_Q6_K) {  /* code b's 2 high bits at 4 (c % 2) + 2 b, wanted at 4 */
-        const int at_a = 4 * (c % 2), at_b = at_a + 2;
-        const __m512i ha = at_a < 4 ? _mm512_slli_epi16(high, 4 - at_a) : high;
-        const __m512i hb = at_b < 4 ? _mm512_slli_epi16(high, 4 - at_b) : _mm512_srli_epi16(high, at_b - 4);
-        *a = (__m512bh)_mm512_permutex2var_epi16(table->low, _mm512_ternarylogic_epi32(bytes, ha, nibble_mask, SELECT_C_A_B),
-                                                 table->high);
-        *b = (__m512bh)_mm512_permutex2var_epi16(table->low, _mm512_ternarylogic_epi32(low_b, hb, nibble_mask, SELECT_C_A_B),
-                                                 table->high);
-        return;
-    }
-    /* Q5: code b's high bit at 2 (c % 4) + b, wanted at 4 */
-    const int at_a = 2 * (c % 4), at_b = at_a + 1;
-    const __m512i ha = at_a < 4 ? _mm512_slli_epi16(high, 4 - at_a) : at_a > 4 ? _mm512_srli_epi16(high, at_a - 4) : high;
-    const __m512i hb = at_b < 4 ? _mm512_slli_epi16(high, 4 - at_b) : _mm512_srli_epi16(high, at_b - 4);
-    *a = (__m512bh)_mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(bytes, ha, nibble_mask, SELECT_C_A_B), table->low);
-    *b = (__m512bh)_mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(low_b, hb, nibble_mask, SELECT_C_A_B), table->low);
-}
-
 /*
- * Each tile's stream is asked for `ahead` units on (near, into L1 with the non-temporal hint),
- * and with a single row (memory-bound) three times as far into L2 as well: line i of that unit
- * beside load i of this one (a unit has no more lines than loads). Near a tile's end the
- * requests go to the next block's tile instead of the tile after (already in this block).
- * quantized_matmul.c's prefetch_next_group says why each of these holds.
+ * Each tile's stream is asked for PREFETCH_BYTES / nt bytes on (near, the non-temporal hint), so
+ * that a block keeps about as much in flight as quantized_matmul.c's 4-bit kernel, and with a
+ * single row (memory-bound) three times as far into L2 as well: one request per load, line
+ * `line` of the unit on from this one (a unit has no more lines than loads, so the requests keep
+ * pace with the reads). Requests that would pass the tile's end go to the next block's tile
+ * instead of the tile after (already in this block). quantized_matmul.c's prefetch_next_group
+ * says why each of these holds.
  */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *unit, int format, int line, int nt,
                                                                 int64_t u, int64_t units, int far) {
     const int unit_bytes = layout_unit_bytes(format);
-    const int ahead = nt * unit_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / (nt * unit_bytes);
     if (64 * line >= unit_bytes) return;
-    const int64_t wrap_near = u + ahead >= units ? (int64_t)(nt - 1) * units : 0;
-    _mm_prefetch((const char *)unit + (ahead + wrap_near) * unit_bytes + 64 * line, _MM_HINT_NTA);
+    const int64_t near = PREFETCH_BYTES / nt, at = u * unit_bytes + 64 * line, tile_bytes = units * unit_bytes;
+    const int64_t wrap_near = at + near >= tile_bytes ? (int64_t)(nt - 1) * tile_bytes : 0;
+    _mm_prefetch((const char *)unit + 64 * line + near + wrap_near, _MM_HINT_NTA);
     if (far) {
-        const int64_t wrap_far = u + 3 * ahead >= units ? (int64_t)(nt - 1) * units : 0;
-        _mm_prefetch((const char *)unit + (3 * ahead + wrap_far) * unit_bytes + 64 * line, _MM_HINT_T1);
+        const int64_t wrap_far = at + 3 * near >= tile_bytes ? (int64_t)(nt - 1) * tile_bytes : 0;
+        _mm_prefetch((const char *)unit + 64 * line + 3 * near + wrap_far, _MM_HINT_T1);
     }
 }
 
@@ -113,29 +70,20 @@ static inline __attribute__((always_inline)) void store_block(__m512 acc[][MAX_R
     }
 }
 
-/* acc[t][r] += scale * dots[t][r] for sub-block `sub` of the unit (and the group's offset term) */
+/* acc[r] += scale * dots[r] for sub-block `sub` of the unit, and the offset term */
 static inline __attribute__((always_inline)) void scale_into(int format, const uint8_t *unit, int sub,
                                                              __m512 *acc, __m512 *dots, int mb, const float *x_sums,
                                                              int64_t groups) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + layout_d_at(format))));
-    const uint8_t *scales = unit + layout_scales_at(format) + 16 * sub;
-    __m512 scale = d;
-    if (format == FORMAT_Q6_K)
-        scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)scales))));
-    else if (format == FORMAT_Q4_K || format == FORMAT_Q5_K)
-        scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)scales))));
+    __m512 offset = _mm512_setzero_ps();
+    const __m512 scale = sub_scales(format, unit, sub, &offset);
     _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(scale, dots[r], acc[r]);
-    if (!layout_has_offset(format)) return;
-    const __m512 second = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + layout_d_at(format) + 32)));
     if (format == FORMAT_Q5_1) {
         _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
-            acc[r] = _mm512_fmadd_ps(second, _mm512_set1_ps(x_sums[r * groups + sub]), acc[r]);
-        return;
+            acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[r * groups + sub]), acc[r]);
+    } else if (layout_has_offset(format)) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
+            acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(x_sums[r * groups + sub]), acc[r]);
     }
-    const __m512 mins = _mm512_mul_ps(
-        second, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scales + 128)))));
-    _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
-        acc[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(x_sums[r * groups + sub]), acc[r]);
 }
 
 /*

@@ -26,7 +26,8 @@ typedef struct {
 
 static inline int sub_inputs(int format) { return format == FORMAT_Q6_K ? 16 : 32; }
 
-static void decode_unit(int format, const uint8_t *unit, DecodedUnit *out) {
+/* (inlined with a constant format, so that its branches fold and its loops vectorize) */
+static inline __attribute__((always_inline)) void decode_unit(int format, const uint8_t *unit, DecodedUnit *out) {
     const int inputs = layout_unit_inputs(format), high = layout_high_bytes(format);
     const int bias = format == FORMAT_Q6_K ? 32 : format == FORMAT_Q5_0 ? 16 : 0;
     for (int k = 0; k < inputs; k++) {
@@ -65,9 +66,10 @@ int64_t kquant_matmul_scratch_bytes_portable(int64_t m, int64_t num_cols) {
     return (int64_t)sizeof(DecodedUnit) + 64 + m * (num_cols / 32 + LANES) * (int64_t)sizeof(float);
 }
 
-void kquant_matmul_tiles_portable(int format, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles,
-                                  int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
-                                  int64_t first_tile, int64_t last_tile) {
+static inline __attribute__((always_inline)) void matmul_tiles(
+    int format, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int64_t num_rows,
+    int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch, int64_t first_tile, int64_t last_tile
+) {
     const int inputs = layout_unit_inputs(format), sub = sub_inputs(format), offsets = layout_has_offset(format);
     const int64_t units = num_cols / inputs, groups = num_cols / 32, unit_bytes = layout_unit_bytes(format);
     DecodedUnit *unit = (DecodedUnit *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
@@ -108,8 +110,26 @@ void kquant_matmul_tiles_portable(int format, const uint16_t *x, int64_t x_strid
     }
 }
 
-void kquant_dequantize_tiles_bf16(int format, const uint8_t *tiles, int64_t num_cols, int64_t first_row,
-                                  int64_t last_row, uint16_t *out) {
+/* Each format's own copy of `body` (a call with FORMAT standing for the format's constant). */
+#define FOR_FORMAT(format, body) \
+    switch (format) { \
+    case FORMAT_Q4_K: { const int FORMAT = FORMAT_Q4_K; body; break; } \
+    case FORMAT_Q5_K: { const int FORMAT = FORMAT_Q5_K; body; break; } \
+    case FORMAT_Q6_K: { const int FORMAT = FORMAT_Q6_K; body; break; } \
+    case FORMAT_Q5_0: { const int FORMAT = FORMAT_Q5_0; body; break; } \
+    case FORMAT_Q5_1: { const int FORMAT = FORMAT_Q5_1; body; break; } \
+    default: break; \
+    }
+
+void kquant_matmul_tiles_portable(int format, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles,
+                                  int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
+                                  int64_t first_tile, int64_t last_tile) {
+    FOR_FORMAT(format, matmul_tiles(FORMAT, x, x_stride, m, tiles, num_rows, num_cols, out, out_bf16, scratch,
+                                    first_tile, last_tile))
+}
+
+static inline __attribute__((always_inline)) void dequantize_tiles(int format, const uint8_t *tiles, int64_t num_cols,
+                                                                  int64_t first_row, int64_t last_row, uint16_t *out) {
     const int inputs = layout_unit_inputs(format), sub = sub_inputs(format), offsets = layout_has_offset(format);
     const int64_t units = num_cols / inputs, unit_bytes = layout_unit_bytes(format);
     DecodedUnit unit;
@@ -129,4 +149,9 @@ void kquant_dequantize_tiles_bf16(int format, const uint8_t *tiles, int64_t num_
             }
         }
     }
+}
+
+void kquant_dequantize_tiles_bf16(int format, const uint8_t *tiles, int64_t num_cols, int64_t first_row,
+                                  int64_t last_row, uint16_t *out) {
+    FOR_FORMAT(format, dequantize_tiles(FORMAT, tiles, num_cols, first_row, last_row, out))
 }
