@@ -33,7 +33,7 @@
 #include <immintrin.h>
 
 #define X16_MAX 32767
-#define MAX_ROWS 4
+#define MAX_ROWS 8
 #define PREFETCH_BYTES 4096
 #define TINY 0x1p-64f  /* groups below it count as zeros: X16_MAX / max|x| stays finite */
 
@@ -118,7 +118,7 @@ static inline __m256 scales_times(__m256 d, const uint8_t *bytes, int is_signed)
 static inline __attribute__((always_inline)) void add_sub_block(int mb, __m256 acc[], __m256i dot[], __m256 scale,
                                                                 int bias, const float *s, const int32_t *sum16,
                                                                 int64_t rows_s, int64_t rows_sum16) {
-    for (int r = 0; r < mb; r++) {
+    _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
         __m256i exact = dot[r];
         if (bias) exact = _mm256_sub_epi32(exact, _mm256_set1_epi32(bias * sum16[r * rows_sum16]));
         const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(s[r * rows_s]));
@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) void tile_block(
                 const uint8_t *plane = unit + layout_high_at(format) + high * g + 16 * h;
                 __m256i dot[MAX_ROWS], high_bits = _mm256_setzero_si256();
                 for (int r = 0; r < mb; r++) dot[r] = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c++) {
+                _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
                     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(nibbles + 32 * c)));
                     __m256i a = _mm256_and_si256(bytes, nibble), b = _mm256_srli_epi16(bytes, 4);
                     if (high == 64) {  /* Q5: bits 2 j, 2 j + 1 of the half's byte, j = c % 4 */
@@ -178,7 +178,7 @@ static inline __attribute__((always_inline)) void tile_block(
                         a = _mm256_or_si256(a, _mm256_and_si256(move_bit(high_bits, 4 * (c % 2), 4), bits45));
                         b = _mm256_or_si256(b, _mm256_and_si256(move_bit(high_bits, 4 * (c % 2) + 2, 4), bits45));
                     }
-                    for (int r = 0; r < mb; r++) {
+                    _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
                         const int16_t *xs = x16 + r * num_cols + LAYOUT_GROUP * g + 4 * c;
                         const __m256i products = _mm256_add_epi32(_mm256_madd_epi16(a, broadcast_pair(xs)),
                                                                   _mm256_madd_epi16(b, broadcast_pair(xs + 2)));
@@ -232,7 +232,8 @@ static void run_block(int format, int mb, const uint8_t *tile, int64_t units, co
         tile_block(FORMAT, MB, tile, units, rows, r0, num_cols, prefetch, out, out_bf16, out_stride, column); \
         return; \
     }
-#define ROWS(FORMAT) BLOCK(FORMAT, 1) BLOCK(FORMAT, 2) BLOCK(FORMAT, 3) BLOCK(FORMAT, 4)
+#define ROWS(FORMAT) BLOCK(FORMAT, 1) BLOCK(FORMAT, 2) BLOCK(FORMAT, 3) BLOCK(FORMAT, 4) \
+    BLOCK(FORMAT, 5) BLOCK(FORMAT, 6) BLOCK(FORMAT, 7) BLOCK(FORMAT, 8)
     ROWS(FORMAT_Q4_K) ROWS(FORMAT_Q5_K) ROWS(FORMAT_Q6_K) ROWS(FORMAT_Q5_0) ROWS(FORMAT_Q5_1)
 #undef ROWS
 #undef BLOCK
