@@ -183,6 +183,9 @@ static inline __attribute__((always_inline)) void tile_block(
                         const __m256i products = _mm256_add_epi32(_mm256_madd_epi16(a, broadcast_pair(xs)),
                                                                   _mm256_madd_epi16(b, broadcast_pair(xs + 2)));
                         dot[r] = _mm256_add_epi32(dot[r], products);
+                        /* a chain of adds as written: regrouped (integer adds are associative), every
+                         * product of the group would be live at once and spill */
+                        __asm__("" : "+x"(dot[r]));
                     }
                     if (format == FORMAT_Q6_K && c % 4 == 3) {  /* sub-block 2 g + c / 4 */
                         const int sub = 2 * g + c / 4;
