@@ -12,16 +12,18 @@
  *
  * with bias 32 (Q6_K), 16 (Q5_0) or 0, offset -dmin m (Q4_K, Q5_K) or m (Q5_1); d sc and dmin m
  * are exact in float32. Both terms read the same x16, so the result is the file's weights times
- * x rounded to x16, accumulated in float32: each input moves by at most s / 2, 1/256 of bf16's
- * spacing near its group's largest input (a group whose inputs are all below 2^-64 counts as
- * zeros).
+ * x rounded to x16, accumulated in float32: each input moves by s / 2 (and float32's rounding of
+ * s and 1 / s), about 1/256 of bf16's spacing near its group's largest input (a group whose
+ * inputs are all below 2^-64 counts as zeros). Integer sums take half the instructions of
+ * float32 FMAs over converted codes (docs/kernels.md, "K-quant product on AVX2").
  *
  * Order: a tile at a time, blocks of up to MAX_ROWS rows of x, the tile's units in turn and in
  * each the tile's two halves of 8 rows (one ymm of sums a row) group by group; a block decodes
  * each code once for all its rows. Every row runs the same float32 steps in the same order
  * whatever the block's size, M or the tile range: a row's result does not depend on its batch.
  * A thread's tiles are one stream in memory (a tile's units, then the next tile's): the first
- * block of rows asks for it PREFETCH_BYTES ahead, the later ones find the tile in cache.
+ * block of rows asks for it PREFETCH_BYTES ahead (the hardware's own prefetch alone left the
+ * loads waiting), the later ones find the tile in cache.
  */
 #include <stdint.h>
 #include <string.h>
