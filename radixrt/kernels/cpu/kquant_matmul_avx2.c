@@ -23,7 +23,8 @@
  * whatever the block's size, M or the tile range: a row's result does not depend on its batch.
  * A thread's tiles are one stream in memory (a tile's units, then the next tile's): the first
  * block of rows asks for it PREFETCH_BYTES ahead (the hardware's own prefetch alone left the
- * loads waiting), the later ones find the tile in cache.
+ * loads waiting), into L1 rather than non-temporally since each unit's lines are read twice (the
+ * tile's two halves of rows); the later blocks find the tile in cache.
  */
 #include <stdint.h>
 #include <string.h>
