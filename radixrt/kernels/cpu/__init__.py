@@ -905,14 +905,14 @@ def rms_norm() -> RMSNorm | None:
 
 
 def quantized_matmul() -> QuantizedMatmul | None:
-    """The compiled 4/8-bit matmul; None where it cannot be built or the CPU lacks AVX512-BF16."""
+    """The compiled 4/8-bit matmul (at the level in use: `isa()`); None where it cannot be built."""
     library = _load()
     return None if library is None or not library.radixrt_quantized_matmul_available() else QuantizedMatmul(library)
 
 
 def rowwise_matmul() -> RowwiseMatmul | None:
-    """The compiled batch-invariant dense matmul (AVX512-BF16 tiles, or portable C elsewhere);
-    None where the kernels cannot be built."""
+    """The compiled batch-invariant dense matmul (at the level in use: `isa()`); None where the
+    kernels cannot be built."""
     library = _load()
     return None if library is None or not library.radixrt_rowwise_matmul_available() else RowwiseMatmul(library)
 
