@@ -46,8 +46,9 @@ demo: setup
 # lower instruction-set level the C kernels are built for (radixrt/kernels/cpu/build.py): the
 # CPU's best level ran above; RADIXRT_CPU_ISA caps a process at a level (on a CPU without it, the
 # run repeats the best). The sliding-window families and the model-loading tests, which use the
-# same kernels, run once; the one test that shows default mode's schedule in the logits holds by
-# the AVX-512 kernels' roundings, not by a promise, so it runs there only.
+# same kernels, run once. The test that finds default mode's schedule in a native model's logits
+# shows that the check can fail; on its one example the AVX2 build's roundings happen to hide the
+# schedule (nothing promises they show it), so the capped runs leave it to the main run.
 ISA_TESTS := tests/test_quantized_matmul.py tests/test_cpu_kernels.py tests/test_int4_layer.py \
 	tests/test_decode_stack.py tests/test_decode_run.py tests/test_deterministic.py
 ISA_PYTEST := $(BIN)/python -m pytest -q -x -p no:cacheprovider $(ISA_TESTS) -k "not window" \
