@@ -92,16 +92,16 @@ static inline __m256i broadcast_quad(const int16_t *p) {
 /* A block's results, tile t and row r in acc[t][r][half] (tile rows 8 half ..): bf16 or fp32. */
 static inline __attribute__((always_inline)) void store_block(__m256 acc[][4][2], int nt, int mb, int64_t tile, float *out,
                                                               int64_t out_stride, uint16_t *out_bf16) {
-    for (int t = 0; t < nt; t++)
-        for (int r = 0; r < mb; r++)
-            for (int h = 0; h < 2; h++) {
+    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)
+        _Pragma("GCC unroll 4") for (int r = 0; r < mb; r++)
+            _Pragma("GCC unroll 4") for (int h = 0; h < 2; h++) {
                 const int64_t at = r * out_stride + (tile + t) * TILE_ROWS + 8 * h;
                 if (out_bf16 == NULL) {
                     _mm256_storeu_ps(out + at, acc[t][r][h]);
                 } else {
                     float values[8];
                     _mm256_storeu_ps(values, acc[t][r][h]);
-                    for (int i = 0; i < 8; i++) out_bf16[at + i] = float_to_bf16(values[i]);
+                    _Pragma("GCC unroll 4") for (int i = 0; i < 8; i++) out_bf16[at + i] = float_to_bf16(values[i]);
                 }
             }
 }
@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) void store_block(__m256 acc[][4][2]
 /* acc += (d * s) * float(dot) for one tile and row's 16 outputs, from the block's fp16 scales. */
 static inline __attribute__((always_inline)) void scale_add(const uint8_t *halves, float s, const __m256i dot[2],
                                                             __m256 acc[2]) {
-    for (int h = 0; h < 2; h++) {
+    _Pragma("GCC unroll 4") for (int h = 0; h < 2; h++) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 16 * h)));
         acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(s)), _mm256_cvtepi32_ps(dot[h]), acc[h]);
     }
@@ -123,38 +123,38 @@ static inline __attribute__((always_inline)) void nibble_block(
     const int64_t tile_stride = groups * BLOCK_BYTES(4);
     const __m256i nibble = _mm256_set1_epi16(15);
     __m256 acc[2][4][2];
-    for (int t = 0; t < nt; t++)
-        for (int r = 0; r < mb; r++) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)
+        _Pragma("GCC unroll 4") for (int r = 0; r < mb; r++) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group = tiles + (tile * groups + g) * BLOCK_BYTES(4);
         __m256i dot[2][4][2];
-        for (int t = 0; t < nt; t++)
-            for (int r = 0; r < mb; r++) dot[t][r][0] = dot[t][r][1] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < mb; r++) dot[t][r][0] = dot[t][r][1] = _mm256_setzero_si256();
         for (int c = 0; c < CHUNKS; c++) {
-            for (int t = 0; t < nt; t++) {
+            _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {
                 prefetch_next_group(group + t * tile_stride, 4, c, nt, g, groups, mb == 1);
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(group + t * tile_stride + CHUNK_BYTES(4) * c));
                 __m256i low[2], high[2];
-                for (int h = 0; h < 2; h++) {
+                _Pragma("GCC unroll 4") for (int h = 0; h < 2; h++) {
                     const __m256i wide = _mm256_cvtepu8_epi16(h ? _mm256_extracti128_si256(raw, 1) : _mm256_castsi256_si128(raw));
                     low[h] = _mm256_and_si256(wide, nibble);
                     high[h] = _mm256_srli_epi16(wide, 4);
                 }
-                for (int r = 0; r < mb; r++) {
+                _Pragma("GCC unroll 4") for (int r = 0; r < mb; r++) {
                     const int16_t *xs = rows->x16 + r * num_cols + g * GROUP + 4 * c;
                     const __m256i first = broadcast_pair(xs), second = broadcast_pair(xs + 2);
-                    for (int h = 0; h < 2; h++)
+                    _Pragma("GCC unroll 4") for (int h = 0; h < 2; h++)
                         dot[t][r][h] = _mm256_add_epi32(dot[t][r][h], _mm256_add_epi32(_mm256_madd_epi16(low[h], first),
                                                                                       _mm256_madd_epi16(high[h], second)));
                 }
             }
         }
-        for (int t = 0; t < nt; t++) {
+        _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {
             const uint8_t *halves = group + t * tile_stride + CHUNKS * CHUNK_BYTES(4);
-            for (int r = 0; r < mb; r++) {
+            _Pragma("GCC unroll 4") for (int r = 0; r < mb; r++) {
                 scale_add(halves, rows->scale[r * groups + g], dot[t][r], acc[t][r]);
                 const __m256 x_sum = _mm256_set1_ps(rows->sum[r * groups + g]);
-                for (int h = 0; h < 2; h++) {
+                _Pragma("GCC unroll 4") for (int h = 0; h < 2; h++) {
                     const __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 32 + 16 * h)));
                     acc[t][r][h] = _mm256_fmadd_ps(offset, x_sum, acc[t][r][h]);
                 }
@@ -174,34 +174,34 @@ static inline __attribute__((always_inline)) void byte_block(
     const int64_t tile_stride = groups * BLOCK_BYTES(8);
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     __m256 acc[2][4][2];
-    for (int t = 0; t < nt; t++)
-        for (int r = 0; r < mb; r++) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)
+        _Pragma("GCC unroll 4") for (int r = 0; r < mb; r++) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group = tiles + (tile * groups + g) * BLOCK_BYTES(8);
         __m256i parts[2][4][4];
-        for (int t = 0; t < nt; t++)
-            for (int r = 0; r < mb; r++)
-                for (int i = 0; i < 4; i++) parts[t][r][i] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < mb; r++)
+                _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) parts[t][r][i] = _mm256_setzero_si256();
         for (int c = 0; c < CHUNKS; c++) {
-            for (int t = 0; t < nt; t++) {
+            _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {
                 prefetch_next_group(group + t * tile_stride, 8, c, nt, g, groups, mb == 1);
                 const uint8_t *codes = group + t * tile_stride + CHUNK_BYTES(8) * c;
                 __m256i q[4];
-                for (int half = 0; half < 2; half++) {
+                _Pragma("GCC unroll 4") for (int half = 0; half < 2; half++) {
                     const __m256i raw = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + 32 * half)), flip);
                     q[2 * half] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
                     q[2 * half + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
                 }
-                for (int r = 0; r < mb; r++) {
+                _Pragma("GCC unroll 4") for (int r = 0; r < mb; r++) {
                     const __m256i xs = broadcast_quad(rows->x16 + r * num_cols + g * GROUP + 4 * c);
-                    for (int i = 0; i < 4; i++) parts[t][r][i] = _mm256_add_epi32(parts[t][r][i], _mm256_madd_epi16(q[i], xs));
+                    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) parts[t][r][i] = _mm256_add_epi32(parts[t][r][i], _mm256_madd_epi16(q[i], xs));
                 }
             }
         }
-        for (int t = 0; t < nt; t++)
-            for (int r = 0; r < mb; r++) {
+        _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < mb; r++) {
                 __m256i dot[2];
-                for (int h = 0; h < 2; h++)  /* rows 8h .. 8h + 7 in order */
+                _Pragma("GCC unroll 4") for (int h = 0; h < 2; h++)  /* rows 8h .. 8h + 7 in order */
                     dot[h] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(parts[t][r][2 * h], parts[t][r][2 * h + 1]), 0xD8);
                 scale_add(group + t * tile_stride + CHUNKS * CHUNK_BYTES(8), rows->scale[r * groups + g], dot, acc[t][r]);
             }
