@@ -91,7 +91,7 @@ def selected_level(cap: str | None = None, cpu: str | None = None) -> str:
         _log_once(f"this CPU has no vector extension radixrt's kernels use ({platform.machine()}): portable C kernels")
     if cap is None or LEVELS.index(cap) >= LEVELS.index(best):
         if cap is not None and cap != best:
-            _log_once(f"{ENVIRONMENT_VARIABLE}={cap}: this CPU runs at most {best}; using {best}")
+            _log_once(f"{ENVIRONMENT_VARIABLE}={cap}: this CPU runs at most {best}; using {best}", logging.WARNING)
         return best
     return cap
 
@@ -111,10 +111,10 @@ def level_of(built: ctypes.CDLL) -> str:
     return LEVELS[int(built.radixrt_isa_level())]
 
 
-def _log_once(message: str) -> None:
+def _log_once(message: str, level: int = logging.INFO) -> None:
     if message not in _logged:
         _logged.add(message)
-        logger.info(message)
+        logger.log(level, message)
 
 
 def _build_and_open(level: str) -> ctypes.CDLL | None:
