@@ -49,24 +49,6 @@ void radixrt_quantized_matmul_tiles(
 #endif
 }
 
-static int run(QuantizedTiles *version, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int bits,
-               int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, int num_threads) {
-    if (bits != 4 && bits != 8) return -2;
-    const int64_t scratch_bytes = radixrt_quantized_matmul_scratch_bytes(m, num_cols);
-    char *scratch = malloc((size_t)(scratch_bytes * num_threads));
-    if (scratch == NULL) return -1;
-    #pragma omp parallel num_threads(num_threads)
-    {
-        const Team team = {NULL, omp_get_thread_num(), omp_get_num_threads()};  /* no barrier: the region's end */
-        int64_t first, last;  /* an equal share of the tiles */
-        team_share(&team, num_rows / TILE_ROWS, &first, &last);
-        version(x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16, scratch + scratch_bytes * team.thread,
-                first, last);
-    }
-    free(scratch);
-    return 0;
-}
-
 /*
  * out[r] (fp32, or bf16 when out_bf16 is not NULL) = x[r] @ w.T for r < m. num_rows % 16 == 0 and
  * num_cols % 32 == 0 (the caller checks). Returns 0, -1 without memory, -2 for other bits.
@@ -76,18 +58,20 @@ int radixrt_quantized_matmul_bf16(
     const uint8_t *tiles, int bits, int64_t num_rows, int64_t num_cols,
     float *out, uint16_t *out_bf16, int num_threads
 ) {
-    return run(radixrt_quantized_matmul_tiles, x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16,
-               num_threads);
-}
-
-/* The same product through the portable version, in any build: the reference for tests. */
-int radixrt_quantized_matmul_bf16_portable(
-    const uint16_t *x, int64_t x_stride, int64_t m,
-    const uint8_t *tiles, int bits, int64_t num_rows, int64_t num_cols,
-    float *out, uint16_t *out_bf16, int num_threads
-) {
-    return run(radixrt_quantized_matmul_tiles_portable, x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16,
-               num_threads);
+    if (bits != 4 && bits != 8) return -2;
+    const int64_t scratch_bytes = radixrt_quantized_matmul_scratch_bytes(m, num_cols);
+    char *scratch = malloc((size_t)(scratch_bytes * num_threads));
+    if (scratch == NULL) return -1;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        const Team team = {NULL, omp_get_thread_num(), omp_get_num_threads()};  /* no barrier: the region's end */
+        int64_t first, last;  /* an equal share of the tiles */
+        team_share(&team, num_rows / TILE_ROWS, &first, &last);
+        radixrt_quantized_matmul_tiles(x, x_stride, m, tiles, bits, num_rows, num_cols, out, out_bf16,
+                                       scratch + scratch_bytes * team.thread, first, last);
+    }
+    free(scratch);
+    return 0;
 }
 
 /* Which version the entry points run: 0 portable, 1 avx2, 2 avx512 (the build's level). */

@@ -86,10 +86,3 @@ void radixrt_rowwise_matmul_f32(const float *x, int64_t x_stride, int64_t m, int
     run(BLOCK, &a, 0, num_threads);
 }
 
-/* The bf16 product through the portable version, in any build: the reference for tests. */
-void radixrt_rowwise_matmul_bf16_portable(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
-                                          const uint16_t *w, int64_t n, const uint16_t *bias, void *out, int out_f32,
-                                          int num_threads) {
-    Matmul a = {x, x_stride, m, k, w, n, bias, out, out_f32};
-    run(radixrt_rowwise_block_portable, &a, 1, num_threads);
-}
