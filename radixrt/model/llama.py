@@ -461,7 +461,7 @@ class LlamaForCausalLM(nn.Module):
         if self._native:
             if self._stack is None:
                 return ("on native 4-bit weights deterministic steps need the whole-step C kernel: a plain "
-                        "Llama-family GGUF model with Q4_0/Q4_1 projections on a CPU with AVX512-BF16 (this model: "
+                        "Llama-family GGUF model with Q4_0/Q4_1 projections and a C compiler (this model: "
                         f"{self.config.architecture}); weights='dense' runs them on the dense weights")
             if self._invariant_lm_head is None:
                 return "deterministic steps need the GGUF file's LM head stored as Q4_0, Q4_1 or Q8_0"
