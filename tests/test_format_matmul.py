@@ -51,11 +51,14 @@ def bf16_bits(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).view(torch.int16)
 
 
-def error_bound(name: str, x: torch.Tensor, dense: torch.Tensor, file_rows: np.ndarray) -> torch.Tensor:
+def error_bound(name: str, x: torch.Tensor, dense: torch.Tensor, file_rows: np.ndarray,
+                integer_inputs: bool = False) -> torch.Tensor:
     """4 K 2^-24 sum |w x| per output (float32 accumulation over K terms). The delegated formats'
     kernel may round each input to an integer of its group's step max|x| / 32639 or finer first
     (tests/test_quantized_matmul.py): that moves a product by half a step times |d q| per term,
-    |d q| <= 15 |d| (4-bit) or 128 |d| (8-bit), d the fp16 scale each of their blocks begins with."""
+    |d q| <= 15 |d| (4-bit) or 128 |d| (8-bit), d the fp16 scale each of their blocks begins with.
+    With `integer_inputs` (kquant_matmul_avx2.c) each input is rounded to an integer of step
+    max|x| / 32767, within 0.51 step, and the product moves by that times |w| per term."""
     xd = x.double()
     bound = 4 * x.shape[1] * 2.0**-24 * (xd.abs() @ dense.double().abs().t())
     if name in DELEGATED:
@@ -63,7 +66,17 @@ def error_bound(name: str, x: torch.Tensor, dense: torch.Tensor, file_rows: np.n
         codes = torch.from_numpy(d[..., 0].astype(np.float64) * (128 if name == "Q8_0" else 15)).repeat_interleave(32, 1)
         step = xd.abs().reshape(xd.shape[0], -1, 32).amax(-1) / 32639
         bound += 1e-5 * (xd.abs() @ dense.double().abs().t()) + (0.5001 * step).repeat_interleave(32, 1) @ codes.t()
+    elif integer_inputs:
+        moves = 0.51 * xd.abs().reshape(xd.shape[0], -1, 32).amax(-1) / 32767
+        bound += moves.repeat_interleave(32, 1) @ dense.double().abs().t()
     return bound
+
+
+def integer_inputs(name: str, portable: bool) -> bool:
+    """True where the kernel run rounds inputs to 16-bit integers: the dispatched K-quant kernel
+    of an AVX2 build (below AVX-512)."""
+    library = cpu._load()
+    return name in NATIVE and not portable and library is not None and hasattr(library, "kquant_matmul_tiles_avx2")
 
 
 def kernel_variants(name: str) -> list[bool]:
@@ -105,8 +118,8 @@ def test_products_are_within_float32_accumulation_of_the_exact_one(kernels, name
     dense = dense_weight(name, file_rows)
     x = torch.from_numpy(rng.standard_normal((m, num_cols + pad)).astype(np.float32)).to(torch.bfloat16)[:, :num_cols]
     exact = x.double() @ dense.double().t()
-    bound = error_bound(name, x, dense, file_rows)
     for portable in kernel_variants(name):
+        bound = error_bound(name, x, dense, file_rows, integer_inputs(name, portable))
         got = kernels(x, weight, torch.empty(m, num_rows), portable=portable)
         assert ((got.double() - exact).abs() <= bound).all(), (name, portable, (got.double() - exact).abs().max())
         as_bf16 = kernels(x, weight, portable=portable)

@@ -1,8 +1,9 @@
 """The quantized matmul C kernel (kernels/cpu/quantized_matmul.c) against a float64 product of the file's weights.
 
-4-bit codes: the exact product accumulated in float32. 8-bit codes: each row's inputs rounded to
-16-bit integers per group of 32 first, so the exact product up to what that can move it by
-(`rounding_bound`)."""
+4-bit codes: the exact product accumulated in float32. 8-bit codes (and, on AVX2, 4-bit ones too):
+each row's inputs rounded to 16-bit integers per group of 32 first, so the exact product up to
+what that can move it by (`rounding_bound`). The kernel is the build in use (`cpu.isa()`);
+tests/test_cpu_isa.py compares every level this CPU runs."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.test_native_weights import random_int4, random_int8
 def kernel() -> cpu.QuantizedMatmul:
     built = cpu.quantized_matmul()
     if built is None:
-        pytest.skip("no C compiler or no AVX512-BF16 on this CPU: torch's 4-bit kernel runs instead")
+        pytest.skip("no C compiler: torch's 4-bit kernel runs instead")
     return built
 
 
@@ -36,14 +37,23 @@ def exact_product(x: torch.Tensor, weight) -> torch.Tensor:
     return x.double() @ weight.dequantize().double().t()
 
 
-def rounding_bound(x: torch.Tensor, dense: torch.Tensor, bits: int) -> torch.Tensor:
+def x16_max(isa: str, bits: int) -> int | None:
+    """The largest 16-bit integer an input is rounded to in this level's kernel (None: the inputs
+    are used as they are): AVX-512 8-bit 32639 (two signed bytes), AVX2 32767 (both widths)."""
+    if isa == "avx2":
+        return 32767
+    return 32639 if isa == "avx512" and bits == 8 else None
+
+
+def rounding_bound(x: torch.Tensor, dense: torch.Tensor, bits: int, isa: str | None = None) -> torch.Tensor:
     """How far the kernel's x @ dense.T may be from the exact one, elementwise: float32
-    accumulation over the terms; and, 8-bit, each input rounded to s * x16 moves by at most half
-    its group's step s = max|x| / 32639 (a hair more: the kernel divides in float32), times |w|."""
+    accumulation over the terms; and where inputs are rounded to s * x16, each moves by at most
+    half its group's step s = max|x| / x16_max (a hair more: the kernel divides in float32), times |w|."""
     xd, wd = x.double(), dense.double().abs()
     bound = 1e-5 * (xd.abs() @ wd.t())
-    if bits == 8:
-        step = xd.abs().reshape(xd.shape[0], -1, 32).amax(-1) / 32639
+    largest = x16_max(cpu.isa() if isa is None else isa, bits)
+    if largest is not None:
+        step = xd.abs().reshape(xd.shape[0], -1, 32).amax(-1) / largest
         bound += (0.5001 * step).repeat_interleave(32, 1) @ wd.t()
     return bound
 

@@ -165,6 +165,7 @@ def test_models_info_health_flush_abort(app, runtime):
     assert server["runtime_config"]["max_total_tokens"] == 4096 and "hit_rate" in server["cache_stats"]
     # "auto" resolved: on where radixrt's kernels build (the tiny float32 model runs through them)
     assert server["deterministic"] is (cpu.rowwise_matmul() is not None)
+    assert server["kernel_isa"] == cpu.isa()  # the CPU kernels' instruction set (RADIXRT_CPU_ISA caps it)
     assert call(app, "POST", "/abort_request", {"rid": "nobody"}).json() == {"rid": "nobody"}
     assert call(app, "POST", "/flush_cache").status_code == 200
     assert runtime.cache_stats()["tree_tokens"] == 0

@@ -15,11 +15,12 @@ dequantized as a step looks them up; a tied one is the head's own tiles);
 a tensor stored in a type without a packed layout (Q2_K, Q3_K, IQ*), and
 the parts fused with it, are dequantized with one WARNING naming the types
 and tensors; a type gguf cannot dequantize either is refused by name.
-Without radixrt's packed kernels (a CPU without AVX512-BF16) only Q4_0/Q4_1
-projections and Q4_0/Q4_1/Q8_0 heads run quantized, on torch's kernel. Everything that can fail on the file or the machine
-(layout, architecture, tensor names and shapes, memory for the weights plus
-the KV pool) is checked before the model is allocated, so a bad file leaves
-nothing half-loaded behind.
+Without radixrt's packed kernels (no C compiler, or float32) only Q4_0/Q4_1
+projections and Q4_0/Q4_1/Q8_0 heads run quantized, on torch's kernel.
+Everything that can fail on the file or the machine (layout, architecture,
+tensor names and shapes, memory for the weights plus the KV pool) is checked
+before the model is allocated, so a bad file leaves nothing half-loaded
+behind.
 
 llama.cpp's converter reorders the rows of each q and k projection for its
 rotary layout; they are put back in Hugging Face order (as transformers does),

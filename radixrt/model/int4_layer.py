@@ -51,7 +51,7 @@ class Int4LayerSteps:
         eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
     ) -> Int4LayerSteps | None:
         """The steps for this layer (its weights as codes, or already in the kernel's layout), or
-        None where the kernels do not run (no compiler or AVX512-BF16, non-bf16 norms, shapes
+        None where the kernels do not run (no C compiler, non-bf16 norms, shapes
         outside the kernel's tiles)."""
         kernels, matmul = cpu.int4_layer(), cpu.quantized_matmul()
         if kernels is None or matmul is None or input_norm.dtype != torch.bfloat16:

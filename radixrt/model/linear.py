@@ -10,8 +10,8 @@ and fp32 is the dtype our exactness tests compare against transformers.
 
 `int4` and `lm_head` multiply by a GGUF file's own 4-bit (8-bit: the head)
 weights (see `gguf_int4`), reading a quarter (half) of bf16's bytes. For
-bf16 on an AVX512-BF16 CPU that is radixrt's kernel, exact in the file's
-weights; elsewhere torch's CPU weight-only kernel, which takes its per-block
+bf16 on the CPU that is radixrt's kernel (at every instruction-set level), exact
+in the file's weights; elsewhere torch's CPU weight-only kernel, which takes its per-block
 scales in the activations' dtype: exact in float32, but there it runs a
 slow generic path, so bf16 models use it in bf16, which rounds each block's
 scale and offset to 8 significant bits (the 4-bit codes stay the file's).
@@ -110,7 +110,7 @@ def packed(weight: cpu.PackedWeight, bias: torch.Tensor | None = None) -> Linear
     must not depend on the batch take the whole-step kernel instead)."""
     kernel = cpu.quantized_matmul()
     if kernel is None:
-        raise ValueError("radixrt's quantized matmul is not available: it needs a C compiler and AVX512-BF16")
+        raise ValueError("radixrt's quantized matmul is not available: it needs a C compiler")
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x, x.shape[-1])
@@ -146,7 +146,7 @@ def lm_head(weight: Int4Weight | Int8Weight | cpu.PackedWeight, dtype: torch.dty
     if isinstance(weight, cpu.PackedWeight):
         matmul = cpu.quantized_matmul()
         if matmul is None or dtype != torch.bfloat16:
-            raise ValueError("a head in radixrt's packed layout needs its kernel: bf16 on an AVX512-BF16 CPU")
+            raise ValueError("a head in radixrt's packed layout needs its kernel: bf16 activations and a C compiler")
         return PackedLMHead(matmul, weight)
     kernel = _own_kernel(weight, dtype)
     if kernel is None:
@@ -180,14 +180,14 @@ def runs_own_kernel(shape: tuple[int, int], dtype: torch.dtype) -> bool:
 
 def runs_format(format: int, shape: tuple[int, int], dtype: torch.dtype) -> bool:
     """Whether a [N, K] weight stored in `format` (a GGUF type number) runs radixrt's kernels packed:
-    bf16 activations, an AVX512-BF16 CPU, a format with a packed layout, whole tiles of rows."""
+    bf16 activations, the kernels built, a format with a packed layout, whole tiles of rows."""
     kernel = cpu.quantized_matmul() if dtype == torch.bfloat16 else None
     return kernel is not None and kernel.format_runs(format, shape)
 
 
 def _own_kernel(weight: Int4Weight | Int8Weight, dtype: torch.dtype) -> cpu.QuantizedMatmul | None:
     """radixrt's quantized kernel (`kernels/cpu/quantized_matmul.c`) where it runs: bf16
-    activations, an AVX512-BF16 CPU, a weight shape its layout takes. It multiplies by the file's
+    activations, a C compiler (any x86 level: `cpu.isa()`), a weight shape its layout takes. It multiplies by the file's
     exact weights (torch's kernel rounds the scales to bf16) and is several times faster on a few rows."""
     kernel = cpu.quantized_matmul() if dtype == torch.bfloat16 else None
     return kernel if kernel is not None and kernel.supports(weight.shape) else None

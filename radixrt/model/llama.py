@@ -475,7 +475,7 @@ class LlamaForCausalLM(nn.Module):
             if self._stack is None:
                 return ("on native quantized weights deterministic steps need the whole-step C kernel: a plain "
                         "Llama-family GGUF model whose every projection is in a packed format (Q4_0, Q4_1, Q5_0, "
-                        "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on a CPU with AVX512-BF16 (this model: "
+                        "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and a C compiler (this model: "
                         f"{self.config.architecture}); weights='dense' runs them on the dense weights")
             if self._invariant_lm_head is None:
                 return ("deterministic steps need the GGUF file's LM head stored in a packed format (Q4_0, Q4_1, "

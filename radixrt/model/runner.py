@@ -98,6 +98,12 @@ class ModelRunner:
         return self.model.device
 
     @property
+    def kernel_isa(self) -> str | None:
+        """The instruction-set level of radixrt's C kernels this runner's CPU steps use
+        ("portable", "avx2", "avx512"; "none" without a C compiler), or None on a GPU."""
+        return cpu.isa() if self.model.device.type == "cpu" else None
+
+    @property
     def runs_decodes(self) -> bool:
         """Whether `decode_run` can take this runner's decode batches (deterministic steps on
         native 4-bit weights through radixrt's C kernels)."""

@@ -235,6 +235,11 @@ class Runtime:
         """Whether outputs are batch-invariant here (`deterministic="auto"` resolved; docs/determinism.md)."""
         return self.engine.runner.deterministic
 
+    @property
+    def kernel_isa(self) -> str | None:
+        """The CPU kernels' instruction-set level in use (portable, avx2, avx512; None on a GPU)."""
+        return self.engine.runner.kernel_isa
+
     def is_alive(self) -> bool:
         """True while the engine thread runs and has not stopped on an error."""
         return self._driver.is_alive()

@@ -417,6 +417,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             "served_model_name": state.model_name,
             "runtime_config": runtime.config.as_dict(),
             "deterministic": runtime.deterministic,  # what deterministic="auto" chose
+            "kernel_isa": getattr(runtime, "kernel_isa", None),  # the CPU kernels' instruction set
             "cache_isolation": settings.cache_isolation,
             "max_queued_requests": settings.max_queued_requests,
             "api_key_required": bool(settings.api_keys),

@@ -16,8 +16,8 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
     quantized_matmul.c  torch's 4-bit CPU matmul dequantizes to float32 and
                         works one row at a time: 8 rows cost 8 times 1.
                         Here the codes feed bf16 dot products directly and
-                        are decoded once for several rows (AVX512-BF16
-                        CPUs; elsewhere callers keep torch's kernel).
+                        are decoded once for several rows (one version
+                        per instruction set, plain C the reference).
     kv_store.c          a step's new K and V rows into their pool slots in one
                         call, instead of two indexed assignments a layer.
     row_stats.c         each logits row's argmax and log-sum-exp in two
@@ -43,34 +43,27 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
     rowwise_matmul.c    a dense matmul whose every output is reduced in one
                         fixed order whatever the batch: library GEMMs change
                         a row's rounding with the number of rows (deterministic
-                        mode; AVX512-BF16 tiles, portable C elsewhere).
+                        mode; one version per instruction set).
 
-The sources are compiled together with `-march=native` for this machine,
-cached under `cache_root()/kernels`, and loaded with ctypes (no torch
-headers, so the build is one quick compiler run, once; docs/kernels.md,
-"Building the library").
-Without a C compiler, or if building fails, the accessors return None and
-callers keep torch's path.
+The sources are compiled together once per instruction-set level (`build.py`:
+portable C, AVX2, AVX-512), cached under `cache_root()/kernels`, and the best
+build the CPU runs is loaded with ctypes (no torch headers), capped by
+RADIXRT_CPU_ISA; `isa()` names it. Without a C compiler, or if building fails,
+the accessors return None and callers keep torch's path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
 import threading
-import uuid
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from radixrt.kernels.cpu import build
 from radixrt.kernels.cpu.stack_model import (
     FORMAT_Q4_1,
     FORMAT_Q8_0,
@@ -83,15 +76,10 @@ from radixrt.kernels.cpu.stack_model import (
     TileBytes,
     fill_matrix,
 )
-from radixrt.paths import cache_root
 from radixrt.sampling.run_data import RunMasks, RunPenalties, RunSampling
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
-_HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
-# No -ffast-math: linking it would switch the whole process to flush-to-zero floats.
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
 # Shapes the kernel's fixed-size buffers hold (MAX_GROUP, MAX_HEAD_DIM in the source).
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
@@ -961,14 +949,14 @@ def rms_norm() -> RMSNorm | None:
 
 
 def quantized_matmul() -> QuantizedMatmul | None:
-    """The compiled 4/8-bit matmul; None where it cannot be built or the CPU lacks AVX512-BF16."""
+    """The compiled 4/8-bit matmul (at the level in use: `isa()`); None where it cannot be built."""
     library = _load()
     return None if library is None or not library.radixrt_quantized_matmul_available() else QuantizedMatmul(library)
 
 
 def rowwise_matmul() -> RowwiseMatmul | None:
-    """The compiled batch-invariant dense matmul (AVX512-BF16 tiles, or portable C elsewhere);
-    None where the kernels cannot be built."""
+    """The compiled batch-invariant dense matmul (at the level in use: `isa()`); None where the
+    kernels cannot be built."""
     library = _load()
     return None if library is None or not library.radixrt_rowwise_matmul_available() else RowwiseMatmul(library)
 
@@ -993,51 +981,16 @@ def decode_run() -> DecodeRun | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    """The kernels' library, built on the first call in any process on this machine."""
+    """The kernels' library at the level in use (`build.selected_level`), built on the first call
+    in any process on this machine. ValueError for an unknown RADIXRT_CPU_ISA."""
     with _lock:
         if not _library:
-            _library.append(_build_and_open())
+            _library.append(build.library(build.selected_level()))
         return _library[0]
 
 
-def _build_and_open() -> ctypes.CDLL | None:
-    if platform.system() != "Linux":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found (set CC): radixrt's CPU kernels fall back to torch's slower ops")
-        return None
-    try:
-        return ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        logger.warning("could not build radixrt's CPU kernels (%s); using torch's ops", detail)
-        return None
-
-
-def _build(compiler: str) -> Path:
-    """The shared library for these sources, compiler and CPU, compiled if not cached yet."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in (*_SOURCES, *_HEADERS)), " ".join(_FLAGS).encode(), version.encode(),
-                 _cpu_flags().encode()):
-        digest.update(part)
-    target = cache_root() / "kernels" / f"radixrt_cpu-{digest.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    logger.info("compiling radixrt's CPU kernels for this CPU (once per machine, a few seconds)")
-    subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(tmp), "-lm"], capture_output=True, text=True,
-                   check=True)
-    os.replace(tmp, target)  # a concurrent build writes the same bytes; readers see a whole file
-    return target
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags: -march=native code must not be reused on another CPU."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
+def isa() -> str:
+    """The instruction-set level of the kernels in use: "portable", "avx2" or "avx512" (what the
+    loaded build reports; "none" where the kernels cannot be built)."""
+    library = _load()
+    return "none" if library is None else build.level_of(library)

@@ -8,15 +8,15 @@
  * all its sequences' rows, so its keys are read once for all of them.
  * The G query heads that share a KV head are computed together, so each key
  * and value is read once per KV head and block of rows. Dot products and the
- * softmax run in float32.
+ * softmax run in float32. The per-chunk loop here is the portable reference;
+ * AVX-512 builds run decode_attention_avx512.c's for head_dim 64 and 128.
  *
  * Work is split into (segment, KV head, chunk of keys, block of rows) items
  * so that one long sequence still keeps every thread busy; when there are
  * pieces of keys enough for every thread without that, an item takes all the
  * KV heads of its piece, whose rows interleave in the pool, so that one core
- * reads each cache line of them (a batch-8 step over 1,024-token contexts
- * 10.01 -> 9.32 and 9.69 -> 9.34 ms, batch 1 over 4,096 keys 4.83 -> 4.61 ms;
- * results unchanged: each head computes alone either way). Each item leaves
+ * reads each cache line of them (results unchanged: each head computes alone
+ * either way; docs/kernels.md, "Decode attention: items"). Each item leaves
  * partial results (running max, sum of exponentials, unnormalised output);
  * the thread that leaves a row's last partial for a KV head merges that
  * row's partials for it, over its segments and their chunks in order, by
@@ -32,87 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels.h"
-#include "scalar.h"
-
-#define CHUNK 256
-/* Rows of keys (and values) requested ahead of the score loop. A K or V row of one head is 128
- * bytes at head_dim 64: 8 rows ahead kept ~1 KB in flight, a tenth of what a core needs to read
- * at its share of the bandwidth, and the value pass began with misses; 32 rows ahead with the
- * values requested in the same pass (two builds in one process, alternating steps, one round): a
- * batch-1 step over 1,500 keys 4.36 -> 3.75 ms, batch 8 over 1,500 keys 19.6 -> 15.1 ms, a batch-1
- * step over 256 keys 3.03 -> 2.91 ms. */
-#define PREFETCH_AHEAD 32
-/* radixrt_attention_work_new: items per thread, at least, with all of a piece's heads in one */
-#define ITEMS_PER_THREAD 2
-
-/* Element `at` of a bf16 (f32 = 0) or float32 (f32 = 1) array, as float32 (exact). */
-static inline __attribute__((always_inline)) float load1(const void *base, int64_t at, int f32) {
-    return f32 ? ((const float *)base)[at] : bf16_to_float(((const uint16_t *)base)[at]);
-}
-
-/* Prefetch the head_dim elements from element `at` on, into L1 or (into_l2, a literal) L2. */
-static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t at, int head_dim, int f32,
-                                                              int into_l2) {
-    const int size = f32 ? 4 : 2;
-    const char *row = (const char *)base + at * size;
-    for (int line = 0; line < head_dim * size; line += 64) {
-        if (into_l2) __builtin_prefetch(row + line, 0, 2);
-        else __builtin_prefetch(row + line);
-    }
-}
-
-/*
- * Before an item's score loop: the K rows of its first PREFETCH_AHEAD keys, which prefetch_ahead
- * does not ask for (its requests run PREFETCH_AHEAD keys ahead of the loop), and their V rows, into
- * L2 (the value pass reads them after the whole score loop). A batch-1 decode run's step, with the
- * sixteen-key scores (attend_chunk_wide): 0.985x in fast-memory minutes (48 rounds), 0.977x in
- * slow ones (12), against neither (one process alternating settings of a test build).
- */
-static inline __attribute__((always_inline)) void prefetch_start(
-    const void *k_pool, const void *v_pool, const int64_t *slots, int64_t n, int h, int num_kv_heads, int head_dim,
-    int f32
-) {
-    for (int64_t j = 0; j < n && j < PREFETCH_AHEAD; j++) {
-        prefetch_row(k_pool, (slots[j] * num_kv_heads + h) * head_dim, head_dim, f32, 0);
-        prefetch_row(v_pool, (slots[j] * num_kv_heads + h) * head_dim, head_dim, f32, 1);
-    }
-}
-
-/* At key j of n (score loop): the K and V rows of key j + PREFETCH_AHEAD, or, near the end, the
- * V rows of the first keys, which the value pass reads first. Slots may be anywhere in the pool:
- * the hardware cannot guess the next row. */
-static inline __attribute__((always_inline)) void prefetch_ahead(
-    const void *k_pool, const void *v_pool, const int64_t *slots, int64_t j, int64_t n, int h, int num_kv_heads,
-    int head_dim, int f32
-) {
-    const int64_t ahead = j + PREFETCH_AHEAD;
-    if (ahead < n) {
-        prefetch_row(k_pool, (slots[ahead] * num_kv_heads + h) * head_dim, head_dim, f32, 0);
-        prefetch_row(v_pool, (slots[ahead] * num_kv_heads + h) * head_dim, head_dim, f32, 0);
-    } else if (ahead - n < n) {
-        prefetch_row(v_pool, (slots[ahead - n] * num_kv_heads + h) * head_dim, head_dim, f32, 0);
-    }
-}
-
-/* Each of the `group` rows of scores (n of CHUNK used) becomes exp(score - its max); the max
- * and the sum of the exponentials are returned. */
-static inline void softmax_rows(float *scores, int64_t n, int group, float *max_out, float *sum_out) {
-    for (int g = 0; g < group; g++) {
-        float *row = scores + g * CHUNK;
-        float m = row[0];
-        #pragma omp simd reduction(max:m)
-        for (int64_t j = 1; j < n; j++) m = row[j] > m ? row[j] : m;
-        float total = 0.0f;
-        #pragma omp simd reduction(+:total)
-        for (int64_t j = 0; j < n; j++) {
-            row[j] = exp_approx(row[j] - m);
-            total += row[j];
-        }
-        max_out[g] = m;
-        sum_out[g] = total;
-    }
-}
+#include "decode_attention.h"
+#include "isa.h"
 
 /* One item: queries of KV head h of sequence s against keys [k0, k1) of it. Always inlined,
  * so the calls below with a literal head_dim get loops the compiler fully unrolls. */
@@ -153,121 +74,6 @@ static inline __attribute__((always_inline)) void attend_chunk(
         }
     }
 }
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* 16 bf16 (f32 = 0) or float32 (f32 = 1) values from element `at` on, as float32 (exact). */
-static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t at, int f32) {
-    if (f32) return _mm512_loadu_ps((const float *)base + at);
-    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-/* dots[g * stride] = the lane products of query vector g and the key at element `at`, summed over
- * the head's 16-lane slices in order: lane_sum of it is their dot product. */
-static inline __attribute__((always_inline)) void key_dots(
-    const float *q, const void *k_pool, int64_t at, int W, int group, __m512 *dots, int stride, int f32
-) {
-    __m512 kv[8];
-    _Pragma("GCC unroll 8") for (int s = 0; s < W; s++) kv[s] = load16(k_pool, at + 16 * s, f32);
-    for (int g = 0; g < group; g++) {
-        const float *qg = q + g * 16 * W;
-        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-        _Pragma("GCC unroll 8") for (int s = 1; s < W; s++) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * s), kv[s], dot);
-        dots[g * stride] = dot;
-    }
-}
-
-/* The sum of v's lanes, added pairwise: lanes l and l + 8, then l + 4, l + 2 and l + 1. */
-static inline float lane_sum(__m512 v) {
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_movehdup_ps(s2));
-}
-
-/*
- * lane_sum of each of 16 vectors, v[i]'s in lane i, with the same pairs added in the same order
- * (so the same bits), the 16 sums at once: each level adds the halves of two vectors' partial sums
- * side by side, 15 additions in all instead of 60 and one vector store instead of 16 scalar ones.
- */
-static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 v[16]) {
-    __m512 s8[8], s4[4], s2[2];
-    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++)  /* [v 2i: lanes l + (l + 8), v 2i + 1: same] */
-        s8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)  /* a 128-bit block each for v 4i .. 4i + 3: l + (l + 4) */
-        s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    _Pragma("GCC unroll 2") for (int i = 0; i < 2; i++)  /* block b: v 8i + b, v 8i + 4 + b, l + (l + 2) */
-        s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s4[2 * i], s4[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_ps(s4[2 * i], s4[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* block b: the sums of v b, v 4 + b, v 8 + b, v 12 + b */
-    const __m512 s1 = _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, s1);
-}
-
-/*
- * attend_chunk with head_dim = 16 * W (W literal, 4 or 8) in AVX-512 registers: a key's row is
- * loaded and widened once for all the item's query vectors, and a block of VB query vectors'
- * outputs stays in registers for the whole chunk (the loop above kept them in memory, and ran
- * ~110 cycles a key and KV head). Same float32 arithmetic, per-key dot products reduced across
- * lanes at the end, sixteen keys' at once (lane_sums16): one KV head's 256 keys, cache-resident,
- * took 13.8 TSC ticks a key in the score loop with a reduction per key and 9.8 with them (the
- * value loop 4.5), the same bits. In a batch-1 step, on K/V from memory, that alone bought
- * nothing (1.001x, fast minutes); with prefetch_start and the barriers' requests going on to the
- * product after (kernels.h), 0.974x against 0.988x without it (48 fast-minute rounds).
- */
-static inline __attribute__((always_inline)) void attend_chunk_wide(
-    const float *q, const void *k_pool, const void *v_pool, const int64_t *slots,
-    int64_t k0, int64_t k1, int h, int num_kv_heads, int W, int VB, int group,
-    float *max_out, float *sum_out, float *acc, int f32
-) {
-    float scores[MAX_GROUP * CHUNK];
-    const int head_dim = 16 * W;
-    const int64_t n = k1 - k0;
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        __m512 dots[MAX_GROUP][16];
-        for (int i = 0; i < 16; i++) {
-            prefetch_ahead(k_pool, v_pool, slots + k0, j + i, n, h, num_kv_heads, head_dim, f32);
-            key_dots(q, k_pool, (slots[k0 + j + i] * num_kv_heads + h) * head_dim, W, group, &dots[0][i], 16, f32);
-        }
-        for (int g = 0; g < group; g++) _mm512_storeu_ps(scores + g * CHUNK + j, lane_sums16(dots[g]));
-    }
-    for (; j < n; j++) {
-        prefetch_ahead(k_pool, v_pool, slots + k0, j, n, h, num_kv_heads, head_dim, f32);
-        __m512 dots[MAX_GROUP];
-        key_dots(q, k_pool, (slots[k0 + j] * num_kv_heads + h) * head_dim, W, group, dots, 1, f32);
-        for (int g = 0; g < group; g++) scores[g * CHUNK + j] = lane_sum(dots[g]);
-    }
-    softmax_rows(scores, n, group, max_out, sum_out);
-    for (int g0 = 0; g0 < group; g0 += VB) {
-        const int nb = group - g0 < VB ? group - g0 : VB;
-        __m512 out[4][8];
-        _Pragma("GCC unroll 4") for (int b = 0; b < VB; b++)
-            _Pragma("GCC unroll 8") for (int i = 0; i < W; i++) out[b][i] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t v = (slots[k0 + j] * num_kv_heads + h) * head_dim;
-            __m512 vv[8];
-            _Pragma("GCC unroll 8") for (int i = 0; i < W; i++) vv[i] = load16(v_pool, v + 16 * i, f32);
-            _Pragma("GCC unroll 4") for (int b = 0; b < VB; b++) {
-                if (b < nb) {
-                    const __m512 p = _mm512_set1_ps(scores[(g0 + b) * CHUNK + j]);
-                    _Pragma("GCC unroll 8") for (int i = 0; i < W; i++) out[b][i] = _mm512_fmadd_ps(p, vv[i], out[b][i]);
-                }
-            }
-        }
-        _Pragma("GCC unroll 4") for (int b = 0; b < VB; b++)
-            if (b < nb)
-                _Pragma("GCC unroll 8") for (int i = 0; i < W; i++)
-                    _mm512_storeu_ps(acc + (g0 + b) * head_dim + 16 * i, out[b][i]);
-    }
-}
-#endif
 
 struct AttentionWork {
     Segments seg;
@@ -406,9 +212,9 @@ static inline __attribute__((always_inline)) void run_item_of(
         const int64_t first = part_index(w, s, c, h, p0, 0);
         float *m = w->maxes + first, *l = w->sums + first, *acc = w->accs + first * head_dim;
         switch (head_dim) {
-#if defined(__AVX512F__)
-        case 64: attend_chunk_wide(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 4, 4, vectors, m, l, acc, f32); break;
-        case 128: attend_chunk_wide(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 8, 2, vectors, m, l, acc, f32); break;
+#if RADIXRT_ISA_AVX512
+        case 64:
+        case 128: radixrt_attend_chunk_avx512(qf, k_pool, v_pool, slots, k0, k1, h, hkv, head_dim, vectors, m, l, acc, f32); break;
 #else
         case 64: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 64, vectors, m, l, acc, f32); break;
         case 128: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 128, vectors, m, l, acc, f32); break;
@@ -465,10 +271,9 @@ static void merge_row(const AttentionWork *w, int64_t row, int h, void *out, flo
 /*
  * After an item: each of its rows whose partials for one of its heads are now all there is merged
  * by this thread (the release and acquire of the count make the other threads' partials visible).
- * A merge pass after a barrier kept both threads of a batch-1 step waiting at one more barrier a
- * layer, while the thread with fewer heads could merge the ones already done: a decode run's step
- * took 0.988x and 0.985x the time this way (two builds alternating, 85 and 95 runs each, fast
- * minutes; outputs equal). The work serves every layer of a step, each run adding a row's partials
+ * A merge pass after a barrier would keep both threads waiting at one more barrier a layer, while
+ * the thread with fewer heads can merge the ones already done (docs/kernels.md, "Decode attention:
+ * merging"). The work serves every layer of a step, each run adding a row's partials
  * to its count once, so the count's multiples mark its runs' ends.
  */
 static void merge_finished_rows(AttentionWork *w, int64_t item, void *out, float *lse) {

@@ -83,5 +83,10 @@ void kquant_dequantize_tiles_bf16_avx512(int format, const uint8_t *tiles, int64
                                          int64_t last_row, uint16_t *out);
 void dequantize_nibble_tiles_bf16_avx512(int format, const uint8_t *tiles, int64_t num_cols, int64_t first_row,
                                          int64_t last_row, uint16_t *out);
+/* kquant_matmul_avx2.c (AVX2 builds below AVX-512) */
+void kquant_matmul_tiles_avx2(int format, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles,
+                              int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
+                              int64_t first_tile, int64_t last_tile);
+int64_t kquant_matmul_scratch_bytes_avx2(int64_t m, int64_t num_cols);
 
 #endif

@@ -1,8 +1,8 @@
 /*
  * The product API of format_matmul.h: each format's row in one table of calls. Q4_0/Q4_1/Q8_0
  * go to quantized_matmul.c's 4- and 8-bit tiles (pack_gguf.c packs them); the K-quants and
- * Q5_0/Q5_1 to format_layout.h's tiles, with the AVX-512 kernel where the build has it and the
- * portable one elsewhere.
+ * Q5_0/Q5_1 to format_layout.h's tiles, with the AVX-512 kernel where the build has it, the AVX2
+ * one in builds of that level, and the portable one elsewhere.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -54,6 +54,9 @@ int64_t radixrt_format_matmul_scratch_bytes(int format, int64_t m, int64_t num_c
 #if RADIXRT_ISA_AVX512
     const int64_t simd = kquant_matmul_scratch_bytes_avx512(m, num_cols);
     if (simd > bytes) bytes = simd;
+#elif RADIXRT_ISA_AVX2 && !RADIXRT_ISA_AVX512
+    const int64_t simd = kquant_matmul_scratch_bytes_avx2(m, num_cols);
+    if (simd > bytes) bytes = simd;
 #endif
     return bytes;
 }
@@ -94,6 +97,12 @@ void radixrt_format_matmul_tiles(int format, const uint16_t *x, int64_t x_stride
     if (layout_serves(format)) {
         kquant_matmul_tiles_avx512(format, x, x_stride, m, tiles, num_rows, num_cols, out, out_bf16, scratch,
                                    first_tile, last_tile);
+        return;
+    }
+#elif RADIXRT_ISA_AVX2 && !RADIXRT_ISA_AVX512
+    if (layout_serves(format)) {
+        kquant_matmul_tiles_avx2(format, x, x_stride, m, tiles, num_rows, num_cols, out, out_bf16, scratch, first_tile,
+                                 last_tile);
         return;
     }
 #endif
