@@ -15,6 +15,7 @@ from radixrt.kernels import BACKEND_NAMES, DEFAULT_SHARED_PREFIX_MIN_TOKENS
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHTS = ("auto", "dense", "native")
+QUANTIZE_TYPES = ("q8_0", "q4_0")
 
 
 @dataclass
