@@ -298,14 +298,15 @@ def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dty
     model = LlamaForCausalLM(config, device=device, dtype=dtype, dense_projections=quantize is None)
     model.load_hf_state_dict(weights, projections=quantize is None, share=True)
     model.prepack()
-    if quantize is not None:
+    if quantize is not None:  # each projection's pages dropped once quantized: they stay in the page cache
         release = getattr(weights, "release", lambda names: None)
+        head = "lm_head.weight" if "lm_head.weight" in weights and not config.tie_word_embeddings else "model.embed_tokens.weight"
         quantizer.quantize_model(
             model, quantize, quantizer.checkpoint_projection(weights, functools.partial(checkpoint_projections, config)),
-            weights["lm_head.weight" if "lm_head.weight" in weights and not config.tie_word_embeddings
-                    else "model.embed_tokens.weight"],
-            lambda layer, fused: release([tensor for tensor, _ in checkpoint_projections(config, layer)[fused]]),
+            weights[head], lambda layer, fused: release([tensor for tensor, _ in checkpoint_projections(config, layer)[fused]]),
         )  # fmt: skip
+        if model.embed_tokens.numel() == 0 or head == "lm_head.weight":  # the head's rows, read once
+            release([head])
     logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=folder,
                        weights=quantize or "dense", read_hf_config=read_hf_config)

@@ -41,8 +41,8 @@ from radixrt.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-# float32 bytes of rows quantized at a time: a big projection never doubles in memory
-_CHUNK_BYTES = 32 << 20
+# float32 bytes of rows quantized at a time: the temporaries of a big projection stay small
+_CHUNK_BYTES = 4 << 20
 # Dense GGUF tensor types a model may be quantized from.
 DENSE_TYPES = ("F32", "F16", "BF16")
 
@@ -86,7 +86,8 @@ def quantize_q8_0(rows: torch.Tensor) -> Int8Weight:
     scaled = blocks * _inverse(scales)
     magnitude = scaled.abs()
     whole = magnitude.floor()
-    rounded = torch.sign(scaled) * (whole + (2 * (magnitude - whole)).floor())  # half away from zero
+    # round half away from zero, as gguf's np_roundf: floor(a) + floor(2 (a - floor(a))), signed
+    rounded = magnitude.sub_(whole).mul_(2).floor_().add_(whole).mul_(torch.sign(scaled))
     codes = rounded.to(torch.int8).view(rows.shape[0], -1)
     return Int8Weight(codes, _as_stored(scales, rows.shape[0]))
 
@@ -97,7 +98,7 @@ def quantize_q4_0(rows: torch.Tensor) -> Int4Weight:
     blocks = _blocks(rows)
     extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # the first of largest |x|, sign kept
     scales = extreme / -8
-    codes = torch.trunc(blocks * _inverse(scales) + 8.5).clamp(0, 15).to(torch.uint8).view(rows.shape[0], -1)
+    codes = (blocks * _inverse(scales)).add_(8.5).trunc_().clamp_(0, 15).to(torch.uint8).view(rows.shape[0], -1)
     stored = _as_stored(scales, rows.shape[0])
     return Int4Weight(codes, stored, -8 * stored)
 
