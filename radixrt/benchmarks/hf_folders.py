@@ -22,10 +22,10 @@ _PARAMETERS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "dow
 def state_dict(loaded: LoadedModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A dense model's weights under transformers' names, in `dtype`, fused projections split."""
     model, config = loaded.model, loaded.config
-    tensors = {"model.embed_tokens.weight": model.embed_tokens, "model.norm.weight": model.norm}
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens, "model.norm.weight": model.norm}
     if not config.tie_word_embeddings:
         tensors["lm_head.weight"] = model.lm_head
-    for index, layer in enumerate(model.layers):
+    for index, layer in enumerate(model._decoder_layers()):
         prefix = f"model.layers.{index}."
         tensors[prefix + "input_layernorm.weight"] = layer.input_norm
         tensors[prefix + "post_attention_layernorm.weight"] = layer.post_attention_norm
@@ -45,9 +45,7 @@ def write_hf_folder(target: Path, source: Path | None = None, dtype: torch.dtype
 
     loaded = load_model(source, device="cpu", dtype="float32", weights="dense")
     target.mkdir(parents=True, exist_ok=True)
-    hf_config = loaded.hf_config
-    hf_config.torch_dtype = dtype
-    hf_config.save_pretrained(target)
+    loaded.hf_config.save_pretrained(target)
     save_file(state_dict(loaded, dtype), str(target / "model.safetensors"), metadata={"format": "pt"})
     AutoTokenizer.from_pretrained(loaded.path.parent, gguf_file=loaded.path.name).save_pretrained(target)
     return target
