@@ -5,12 +5,15 @@ the loader before folders were shared), `shared` (`load_model`: tensors in the m
 are the parameters, views of the mapped file), `q8_0` and `q4_0` (`load_model(quantize=...)`).
 Each child imports torch and radixrt first and reports the peak RSS of the load above that
 (`ru_maxrss` before and after), the RSS after it, and the RSS after a first step (a 16-token
-prefill, default mode: a bf16 model's projections are then packed for oneDNN, a copy of their
-own) split into anonymous memory and mapped file pages (/proc/self/status), all above the import. The folder (default: the bundled SmolLM2-135M-Instruct's
+prefill; --deterministic auto, `Runtime`'s default: batch-invariant steps where radixrt's
+kernels serve the model, which read the dense weights as loaded; false: a bf16 model's
+projections are packed for oneDNN on that step, a copy of their own) split into anonymous
+memory and mapped file pages (/proc/self/status), all above the import. The folder (default: the bundled SmolLM2-135M-Instruct's
 dense weights written in bf16 to a temp dir, `radixrt.benchmarks.hf_folders`) is read once
 before the children so each finds it in the page cache.
 
 Run: python bench/folder_rss_bench.py [--folder PATH] [--ways copy,shared,q8_0,q4_0] [--reps 3]
+         [--deterministic auto|false]
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def status():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return {key: int(fields[key].split()[0]) for key in ("VmRSS", "RssAnon", "RssFile")}
 
-folder, way = sys.argv[1], sys.argv[2]
+folder, way, deterministic = sys.argv[1], sys.argv[2], sys.argv[3] == "auto" and "auto"
 torch.empty(1)
 before, importing = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, status()
 started = time.perf_counter()
@@ -58,7 +61,7 @@ from radixrt.model.runner import ModelRunner
 config = model.config
 cache = KVCache(config.kv_shape(model.dtype), 64)
 backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim)
-ModelRunner(model, cache, backend).forward(ForwardBatch.build([list(range(16))], [0], [torch.arange(16)]))
+ModelRunner(model, cache, backend, deterministic=deterministic).forward(ForwardBatch.build([list(range(16))], [0], [torch.arange(16)]))
 stepped = status()
 print(json.dumps({"peak_mb": (peak - before) / 1024, "load_s": seconds, "import": importing,
                   "loaded_mb": (loaded["VmRSS"] - importing["VmRSS"]) / 1024,
@@ -71,6 +74,7 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=None)
     parser.add_argument("--ways", default="copy,shared,q8_0,q4_0")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--deterministic", choices=("auto", "false"), default="auto")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as temp:
         folder = args.folder
@@ -83,12 +87,13 @@ def main() -> None:
         results: dict[str, list[dict[str, float]]] = {way: [] for way in args.ways.split(",")}
         for _ in range(args.reps):
             for way in results:  # interleaved: a slow minute falls on every way alike
-                done = subprocess.run([sys.executable, "-c", _CHILD, str(folder), way], capture_output=True,
+                done = subprocess.run([sys.executable, "-c", _CHILD, str(folder), way, args.deterministic], capture_output=True,
                                       text=True, check=True,
                                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"})
                 results[way].append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"folder {folder.name}: {(folder / 'model.safetensors').stat().st_size / 2**20:.0f} MiB; medians of "
-          f"{args.reps} fresh processes; MiB above the import of torch and radixrt")
+          f"{args.reps} fresh processes; MiB above the import of torch and radixrt; first step with "
+          f"deterministic={args.deterministic}")
     print("| way | peak RSS of the load | RSS after the load | after a first step | of which anonymous | "
           "of which file pages | load s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
