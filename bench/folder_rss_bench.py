@@ -3,8 +3,8 @@
 Ways: `copy` (parameters allocated, then every tensor copied from the mapped file into them:
 the loader before folders were shared), `shared` (`load_model`: tensors in the model's dtype
 are the parameters, views of the mapped file), `q8_0` and `q4_0` (`load_model(quantize=...)`).
-Each child imports torch and radixrt first and reports the peak RSS of the load above that
-(`ru_maxrss` before and after), the RSS after it, and the RSS after a first step (a 16-token
+Each child imports torch and radixrt first and reports the peak RSS of the load above the RSS
+it had then (VmHWM, reset after the import through /proc/self/clear_refs), the RSS after it, and the RSS after a first step (a 16-token
 prefill; --deterministic auto, `Runtime`'s default: batch-invariant steps where radixrt's
 kernels serve the model, which read the dense weights as loaded; false: a bf16 model's
 projections are packed for oneDNN on that step, a copy of their own) split into anonymous
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = """
-import json, resource, sys, time
+import json, sys, time
 import torch
 from radixrt.model import loader
 from radixrt.model.checkpoint import checkpoint_weights
@@ -38,11 +38,13 @@ from radixrt.model.llama import LlamaForCausalLM
 
 def status():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    return {key: int(fields[key].split()[0]) for key in ("VmRSS", "RssAnon", "RssFile")}
+    return {key: int(fields[key].split()[0]) for key in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
 
 folder, way, deterministic = sys.argv[1], sys.argv[2], sys.argv[3] == "auto" and "auto"
 torch.empty(1)
-before, importing = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, status()
+with open("/proc/self/clear_refs", "w") as clear:
+    clear.write("5")  # the peak (VmHWM) restarts from the RSS now
+importing = status()
 started = time.perf_counter()
 if way == "copy":
     config, tokenizer, _ = loader._config_and_tokenizer(loader.Path(folder))
@@ -52,7 +54,6 @@ if way == "copy":
 else:
     model = loader.load_model(folder, dtype="bfloat16", quantize=None if way == "shared" else way).model
 seconds = time.perf_counter() - started
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 loaded = status()
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
@@ -63,7 +64,7 @@ cache = KVCache(config.kv_shape(model.dtype), 64)
 backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim)
 ModelRunner(model, cache, backend, deterministic=deterministic).forward(ForwardBatch.build([list(range(16))], [0], [torch.arange(16)]))
 stepped = status()
-print(json.dumps({"peak_mb": (peak - before) / 1024, "load_s": seconds, "import": importing,
+print(json.dumps({"peak_mb": (loaded["VmHWM"] - importing["VmRSS"]) / 1024, "load_s": seconds,
                   "loaded_mb": (loaded["VmRSS"] - importing["VmRSS"]) / 1024,
                   **{key + "_mb": (stepped[key] - importing[key]) / 1024 for key in stepped}}))
 """

@@ -731,6 +731,7 @@ class _StateDictReader:
             setattr(owner, attr, nn.Parameter(tensor, requires_grad=False))
         else:
             destination.copy_(tensor)
+            self._release([name])
 
     def load_rows(self, owner: nn.Module, attr: str, parts: Sequence[tuple[str, int]]) -> None:
         """`owner.attr` = the checkpoint's tensors (name, rows) stacked along rows: one view of the
@@ -749,7 +750,15 @@ class _StateDictReader:
             tensor = self._checked(name, tuple(part.shape))
             if tensor is not None:
                 part.copy_(tensor)
+                self._release([name])
             start += rows
+
+    def _release(self, names: list[str]) -> None:
+        """Where tensors are shared, the map outlives the load: the pages of one copied are
+        dropped from the process (`SafetensorsWeights.release`; they stay in the page cache)."""
+        release = getattr(self.state_dict, "release", None) if self.share else None
+        if release is not None:
+            release(names)
 
     def _checked(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         self.used.add(name)
