@@ -26,14 +26,14 @@ from typing import Any
 import torch
 
 from radixrt.memory.kv_cache import KVShape
-from radixrt.model import gguf_int4, gguf_loader, gguf_plan
+from radixrt.model import gguf_loader, gguf_plan
 from radixrt.model import quantize as quantizer
 from radixrt.model.checkpoint import checkpoint_bytes, checkpoint_weights
 from radixrt.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixrt.model.gguf_cache import gguf_to_hf_folder
 from radixrt.model.gguf_file import GGUFFile
 from radixrt.model.gguf_int4 import SUPPORTED_TYPES
-from radixrt.model.llama import LlamaForCausalLM, checkpoint_projections
+from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.start_record import read_record, write_record
 from radixrt.model.tokenizer import Tokenizer
 
@@ -265,13 +265,7 @@ def _load_gguf(file: GGUFFile, name: str, device: torch.device, dtype: torch.dty
     else:  # everything but the projections as the dense load reads it, then each projection quantized
         no_projections = gguf_plan.TensorPlan([{} for _ in plan.dense], [{} for _ in plan.dense], None)
         model = gguf_loader.build_model(file, no_projections, config, device, dtype)
-        head = file.tensors["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
-        parts = [[file.tensors[f"blk.{i}.{part}.weight"] for part in gguf_int4.PROJECTIONS[fused]]
-                 for i in range(config.num_layers) for fused in gguf_int4.PROJECTIONS]  # fmt: skip
-        done = iter(parts)
-        quantizer.quantize_model(model, quantize, quantizer.gguf_projection(file, config), quantizer.gguf_rows(head),
-                                 lambda layer, fused: file.release(next(done)))
-        file.release([head])
+        quantizer.quantize_gguf(model, file, config, quantize)
     logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=file.path,
                        weights=quantize or ("native" if native else "dense"), read_hf_config=read_hf_config)
@@ -298,15 +292,8 @@ def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dty
     model = LlamaForCausalLM(config, device=device, dtype=dtype, dense_projections=quantize is None)
     model.load_hf_state_dict(weights, projections=quantize is None, share=True)
     model.prepack()
-    if quantize is not None:  # each projection's pages dropped once quantized: they stay in the page cache
-        release = getattr(weights, "release", lambda names: None)
-        head = "lm_head.weight" if "lm_head.weight" in weights and not config.tie_word_embeddings else "model.embed_tokens.weight"
-        quantizer.quantize_model(
-            model, quantize, quantizer.checkpoint_projection(weights, functools.partial(checkpoint_projections, config)),
-            weights[head], lambda layer, fused: release([tensor for tensor, _ in checkpoint_projections(config, layer)[fused]]),
-        )  # fmt: skip
-        if model.embed_tokens.numel() == 0 or head == "lm_head.weight":  # the head's rows, read once
-            release([head])
+    if quantize is not None:
+        quantizer.quantize_checkpoint(model, weights, config, quantize)
     logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=folder,
                        weights=quantize or "dense", read_hf_config=read_hf_config)

@@ -37,7 +37,7 @@ from radixrt.memory import huge_pages
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
 from radixrt.model.gguf_int4 import GROUP_SIZE, PROJECTIONS, Int4Weight, Int8Weight, unpermute_rows
-from radixrt.model.llama import LlamaForCausalLM
+from radixrt.model.llama import LlamaForCausalLM, checkpoint_projections
 
 logger = logging.getLogger(__name__)
 
@@ -172,23 +172,45 @@ def quantize_model(model: LlamaForCausalLM, quantize: str, dense: DenseProjectio
     huge_pages.release_free_heap()
 
 
-def checkpoint_projection(weights: Mapping[str, torch.Tensor],
-                          parts: Callable[[int], dict[str, list[tuple[str, int]]]]) -> DenseProjection:
-    """The dense fused projection read from a checkpoint's tensors: one view of the file where the
-    parts lie back to back (`SafetensorsWeights.stacked`), else the parts concatenated."""
+def quantize_checkpoint(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor], config: ModelConfig,
+                        quantize: str) -> None:
+    """`quantize_model` from a Hugging Face checkpoint's tensors (its projections read as stored:
+    one view of the file where a fused projection's parts lie back to back, else concatenated),
+    each one's pages of the mapped file dropped once it is quantized (they stay in the page cache)."""
+    release = getattr(weights, "release", lambda names: None)
     stacked = getattr(weights, "stacked", None)
 
+    def names(index: int, name: str) -> list[str]:
+        return [tensor for tensor, _ in checkpoint_projections(config, index)[name]]
+
     def projection(index: int, name: str) -> torch.Tensor:
-        names = [tensor for tensor, _ in parts(index)[name]]
-        missing = [tensor for tensor in names if tensor not in weights]
+        parts = names(index, name)
+        missing = [tensor for tensor in parts if tensor not in weights]
         if missing:
             raise ValueError(f"checkpoint does not match the model: missing {missing}")
-        whole = None if stacked is None or len(names) == 1 else stacked(names)
+        whole = None if stacked is None or len(parts) == 1 else stacked(parts)
         if whole is not None:
             return whole
-        return weights[names[0]] if len(names) == 1 else torch.cat([weights[tensor] for tensor in names])
+        return weights[parts[0]] if len(parts) == 1 else torch.cat([weights[tensor] for tensor in parts])
 
-    return projection
+    own_head = "lm_head.weight" in weights and not config.tie_word_embeddings
+    head = "lm_head.weight" if own_head else "model.embed_tokens.weight"
+    quantize_model(model, quantize, projection, weights[head], lambda index, name: release(names(index, name)))
+    if own_head or model.embed_tokens.numel() == 0:  # the dense head (or embedding) is gone: its rows too
+        release([head])
+
+
+def quantize_gguf(model: LlamaForCausalLM, file: GGUFFile, config: ModelConfig, quantize: str) -> None:
+    """`quantize_model` from a dense GGUF file's tensors (`gguf_projection`), each one's pages
+    dropped once it is quantized (`GGUFFile.release`)."""
+
+    def parts(index: int, name: str) -> list[GGUFTensor]:
+        return [file.tensors[f"blk.{index}.{part}.weight"] for part in PROJECTIONS[name]]
+
+    head = file.tensors["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
+    quantize_model(model, quantize, gguf_projection(file, config), gguf_rows(head),
+                   lambda index, name: file.release(parts(index, name)))
+    file.release([head])
 
 
 def check_dense_gguf(file: GGUFFile, quantize: str) -> None:
