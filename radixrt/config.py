@@ -35,8 +35,8 @@ class RuntimeConfig:
         (a Hugging Face folder, or a GGUF of F32/F16/BF16 tensors) at load,
         in llama.cpp's blocks of 32, and its LM head to Q8_0, for radixrt's
         quantized CPU kernels (bfloat16 on an AVX512-BF16 CPU): about a
-        half (q8_0) or a quarter (q4_0) of bf16's bytes per decode step
-        (docs/model.md). A GGUF that is already quantized is refused.
+        half (q8_0) or a third (q4_0) of bf16's projection bytes per decode
+        step (docs/model.md). A GGUF that is already quantized is refused.
     page_size: tokens per KV page; the radix tree caches whole pages only.
     max_total_tokens: KV pool size in tokens. When None it is derived from
         `kv_memory_fraction` of free GPU memory on cuda, or from
