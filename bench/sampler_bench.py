@@ -34,6 +34,7 @@ from radixrt.kernels import cpu  # noqa: E402
 from radixrt.kernels.forward_batch import ForwardBatch  # noqa: E402
 from radixrt.model.loader import load_model  # noqa: E402
 from radixrt.sampling.params import SamplingParams  # noqa: E402
+from radixrt.model.row_kernels import cpu_row_kernels  # noqa: E402
 from radixrt.sampling.sampler import Sampler  # noqa: E402
 
 PARAGRAPH = (
@@ -70,7 +71,7 @@ def model_logits(rows: int) -> dict[str, torch.Tensor]:
 
 def time_sample(logits: torch.Tensor, params: SamplingParams, runs: int, calls: int) -> float:
     """Median over `runs` of the mean seconds of `calls` calls of `Sampler.sample` on every row."""
-    sampler = Sampler()
+    sampler = Sampler(cpu_row_kernels())
     rows = logits.shape[0]
     args = ([params] * rows, list(range(rows)), [[1]] * rows, [[2]] * rows)
     sampler.sample(logits, *args)

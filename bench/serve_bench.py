@@ -6,9 +6,9 @@ Workloads (seeded, built here; their token counts are printed first):
   chat      3-turn conversations over 3 shared system prompts of 250-300
             tokens (a shop assistant's persona, rules and a stock table):
             max(min(2K, 64), K, 8) of them (or --conversations), two per client
-            but at most 64 (more takes a full run well past 25 minutes on 2
-            cores); user turns of
-            15-30 tokens; every answer exactly 32 tokens (greedy,
+            but at most 64 (more would make a full run far too long on 2
+            cores; docs/benchmarks.md, "bench/serve_bench.py's limits");
+            user turns of 15-30 tokens; every answer exactly 32 tokens (greedy,
             ignore_eos). A turn resends the earlier answers exactly as returned,
             so later turns hit the radix cache on the whole history.
   few-shot  max(2K, 16) questions after one ~1,000-token prefix of 6 worked
@@ -33,7 +33,7 @@ model, default dtype, a 65,536-token KV pool, so no request is retracted):
           serve` at info), and its dev endpoint /reset_prefix_cache to flush.
           Its start-up (model compilation) takes minutes.
 All chosen paths stay loaded for the whole run (an idle engine sleeps, so
-the idle ones cost next to no CPU: vLLM's idle worker takes ~1% of a core)
+the idle ones cost next to no CPU, vLLM's idle worker included)
 and take turns level by level, repetition by repetition, the order reversing
 between repetitions so none always runs first. Each path is warmed up once;
 every level starts from a flushed cache.

@@ -20,6 +20,7 @@ from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.runner import ModelRunner
 from radixrt.runtime.api import Runtime
 from radixrt.sampling.params import SamplingParams
+from radixrt.model.row_kernels import cpu_row_kernels
 from radixrt.sampling.sampler import Sampler, run_sampling
 from tests.conftest import TINY_VOCAB
 from tests.test_decode_stack import VOCAB, filled_runner, headed_model, native_llama  # noqa: F401 (a fixture)
@@ -58,7 +59,7 @@ def step_by_step(runner: ModelRunner, tokens, positions, slots, params, seeds, s
     (`prompts`, `earlier`: the prompts and earlier outputs the penalties count and, for the
     outputs, the draws follow). Returns the new tokens and log-probabilities, [steps, rows], and
     each step's top log-probabilities (the sampler's lists, None when no row asks)."""
-    sampler, logprobs, tops = Sampler(), [[] for _ in tokens], []
+    sampler, logprobs, tops = Sampler(cpu_row_kernels()), [[] for _ in tokens], []
     outputs = [list(e) for e in earlier] if earlier else [[] for _ in tokens]
     done = [len(o) for o in outputs]
     prompts = prompts or [[] for _ in tokens]

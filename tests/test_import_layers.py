@@ -84,6 +84,19 @@ def test_every_module_imports_only_its_own_layer_or_lower(graph):
     assert not upward, "\n".join(upward)
 
 
+def test_only_the_model_layer_reaches_the_cpu_kernels(graph):
+    """The executor (the model layer) is the one door to the CPU kernels: the engine, the sampler
+    and everything above them hand it plain data."""
+    kernel_modules = {m for m in graph if m == "radixrt.kernels.cpu" or m.startswith("radixrt.kernels.cpu.")}
+    reaching = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if not module.startswith(("radixrt.kernels", "radixrt.model"))
+        for target in targets & kernel_modules
+    )
+    assert not reaching, "\n".join(reaching)
+
+
 def test_no_import_cycles(graph):
     cycles = strongly_connected_components(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(sorted(c)) for c in cycles)

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from radixrt.sampling import SamplingParams
 from radixrt.kernels import cpu
 from radixrt.sampling import sampler as sampler_module
+from radixrt.model.row_kernels import cpu_row_kernels
 from radixrt.sampling.sampler import SampleOutput, Sampler, apply_penalties, uniform_for
 
-SAMPLER = Sampler()
+SAMPLER = Sampler(cpu_row_kernels())  # C passes where they build; torch ops elsewhere
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds=None, prompts=None, outputs=None) -> SampleOutput:

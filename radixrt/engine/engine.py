@@ -26,10 +26,10 @@ from radixrt.engine.cache_manager import CacheManager
 from radixrt.engine.logits import LogitPlan, fill_row_mask, needs_mask
 from radixrt.engine.request import Request, stop_token_ids
 from radixrt.engine.scheduler import ScheduledBatch, Scheduler
-from radixrt.kernels import cpu
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model.runner import ModelRunner
 from radixrt.sampling.grammar import new_bitmask
+from radixrt.sampling.run_data import RunMasks
 from radixrt.sampling.sampler import Sampler, run_sampling
 
 logger = logging.getLogger("radixrt.engine")
@@ -41,9 +41,8 @@ class Engine:
         self.config = config
         self.device = runner.device
         self.scheduler = Scheduler(cache, config)
-        self.sampler = Sampler()
+        self.sampler = Sampler(runner.row_kernels)
         self._runs_decodes = runner.runs_decodes
-        self._kernel_threads = None if runner.threads is None else runner.threads.large
         self._vocab_size = runner.model.config.vocab_size
         # Set from any thread by `interrupt_run`: a decode run stops after its current step.
         self._interrupt = ctypes.c_int32(0)
@@ -131,10 +130,7 @@ class Engine:
                 self.prompt_tokens += len(req.prompt_ids)
                 self.cached_prompt_tokens += req.cached_len
         plan.record_prompt_logprobs(logits)
-        # The sampler's C passes (row stats, draws) split rows over every core, as the step did:
-        # from 4 rows on that beats one thread (32 rows: 273 -> 151 us, warm)
-        with cpu.kernel_threads(self._kernel_threads):
-            next_tokens = plan.sample(logits, self.sampler, self._vocab_size)
+        next_tokens = plan.sample(logits, self.sampler, self._vocab_size)
         self.num_generated_tokens += sum(map(len, next_tokens))
         self.num_draft_tokens += sum(map(len, plan.drafts))
         self.num_confirmed_draft_tokens += sum(max(len(tokens) - 1, 0) for tokens in next_tokens)
@@ -207,7 +203,7 @@ class _RunGrammars:
         self._taken = 0
         masked = torch.zeros(allowed.shape[0], dtype=torch.uint8)
         masked[[row for row, _ in rows]] = 1
-        self.masks = cpu.RunMasks(allowed, masked, self)
+        self.masks = RunMasks(allowed, masked, self)
 
     @classmethod
     def of(cls, reqs: list[Request], vocab_size: int, jump_forward: bool) -> _RunGrammars | None:

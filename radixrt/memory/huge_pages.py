@@ -7,12 +7,10 @@ allocator put them (torch's asks for huge pages only when
 THP_MEM_ALLOC_ENABLE is set, and most weights are below 2 MB anyway):
 ~24,000 pages a step, a TLB entry each. Copied into one buffer that Linux
 backs with transparent huge pages (asked for with `madvise` before the
-buffer is first touched), the layers' and the LM head's weights made a
-decode run's batch-1 step 0.985x, 0.947x and 0.895x as long as the same
-bytes in separate 4 KB-page tensors in fast-memory minutes, 0.974x-0.979x in
-slow ones (one process alternating the two weight tables, outputs equal;
-docs/benchmarks.md, session 17). Where the OS gives no huge pages the buffer
-is still one contiguous run.
+buffer is first touched), the layers' and the LM head's weights need a few
+dozen TLB entries instead, and the step is faster, most in the minutes when
+memory reads fast (docs/benchmarks.md, "Huge pages for the packed weights").
+Where the OS gives no huge pages the buffer is still one contiguous run.
 """
 
 from __future__ import annotations

@@ -57,9 +57,9 @@ class KVCache:
 def _zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on the CPU in fresh anonymous memory, which the kernel zeroes page by page on first touch.
 
-    `torch.zeros` writes every byte at once: for a CPU pool of 1 GiB that
-    took 0.6-3 s of a start on the project's 2-core VM (page faults), for
-    pages most runs never use.
+    `torch.zeros` writes every byte at once, paying a page fault for every
+    page of the pool at start, for pages most runs never use
+    (docs/benchmarks.md, "Fresh memory on the 2-core VM").
     """
     memory = anonymous_bytes(torch.Size(size).numel() * dtype.itemsize) if device.type == "cpu" else None
     if memory is None:

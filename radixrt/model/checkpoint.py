@@ -1,14 +1,13 @@
 """A Hugging Face folder's weight tensors by name, mapped from the files rather than read into fresh memory.
 
 Reading a safetensors tensor through `safetensors` first copies it into new
-memory; on the project's 2-core VM touching fresh memory costs 0.6-2.4 s per
-GB (page faults), so the bundled model's 513 MB fp32 file took 0.6-1.7 s to
-load that way and 0.9-1.2 s mapped (medians of 4 under load). Here a
-tensor is a view of a private memory map of its file: its bytes are the
-page cache's. A tensor already in the model's dtype becomes the parameter
-itself, no copy (`LlamaForCausalLM.load_hf_state_dict(share=True)`); one
-in another dtype is copied once, cast; the parts of a fused projection are
-one view where they lie back to back in the file (`stacked`), else copied.
+memory, and touching fresh memory costs page faults (docs/benchmarks.md,
+"Fresh memory on the 2-core VM"). Here a tensor is a view of a private
+memory map of its file: its bytes are the page cache's. A tensor already in
+the model's dtype becomes the parameter itself, no copy
+(`LlamaForCausalLM.load_hf_state_dict(share=True)`); one in another dtype is
+copied once, cast; the parts of a fused projection are one view where they
+lie back to back in the file (`stacked`), else copied.
 
     file: [u64 header size][header JSON: name -> dtype, shape, data_offsets][data]
 """

@@ -36,8 +36,8 @@ from radixrt.paths import CACHE_ENV_VAR, cache_root
 
 logger = logging.getLogger(__name__)
 
-# Measured on a 2-core CPU: the bundled 92 MB GGUF converts in about 30 s. A
-# rough guide for the log line, scaled by file size; never a limit.
+# A rough guide for the log line, scaled by file size; never a limit
+# (docs/benchmarks.md, "Load-time estimates").
 _CONVERT_BYTES_PER_S = 3 * 2**20
 # Bump when what we write changes, so old caches are not read.
 _CACHE_FORMAT = 1

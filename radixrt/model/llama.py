@@ -61,8 +61,8 @@ from radixrt.model.rope import RotaryEmbedding
 INT4_MAX_ROWS = 16
 # ... and steps of at most this many the whole-stack kernel runs, when it applies:
 # without ~30 torch ops a layer it beats the dense path at 24-64 tokens too
-# (decodes, extends and mixes of both, 8-20% faster on the project's machine,
-# docs/benchmarks.md).
+# (decodes, extends and mixes of both); beyond, the step is compute-bound and the
+# dense GEMM wins (docs/benchmarks.md, "The whole-step kernel's row limit").
 STACK_MAX_ROWS = 64
 
 
@@ -407,8 +407,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _packed_weights_side_by_side(self) -> None:
         """Every layer's packed 4-bit weights and the packed LM head moved into one buffer on
-        huge pages, in the order a step reads them (`memory.huge_pages`: a batch-1 step
-        1.5-10.5% faster)."""
+        huge pages, in the order a step reads them (`memory.huge_pages`: fewer TLB misses a
+        step; docs/benchmarks.md, "Huge pages for the packed weights")."""
         layers = self._decoder_layers()
         steps = [layer.int4_steps for layer in layers if layer.int4_steps is not None]
         if len(steps) != len(layers):
@@ -444,8 +444,9 @@ class LlamaForCausalLM(nn.Module):
 
     @functools.cached_property
     def _attention_kinds(self) -> tuple[LayerAttention, ...]:
-        """The distinct `LayerAttention`s of the layers, in layer order (set at construction; asked
-        for every step, where comparing 30 dataclasses cost ~20 us)."""
+        """The distinct `LayerAttention`s of the layers, in layer order (worked out once: every
+        step asks for them, and comparing every layer's dataclass each time showed in a step;
+        docs/benchmarks.md, "Per-step Python")."""
         return tuple(dict.fromkeys(layer.attention for layer in self._decoder_layers()))
 
     @functools.cached_property

@@ -51,14 +51,14 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-# float16 has no fast CPU path in torch (~10x slower than float32 in matmuls),
-# so it is refused on the CPU.
+# float16 has no fast CPU path in torch (docs/model.md, "dtypes"), so it is
+# refused on the CPU.
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 _CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Any one of these makes a folder's tokenizer loadable by transformers.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
-# A rough guide for the log line (the bundled model's 513 MiB of fp32 weights, read
-# through the memory map, load in 0.6-1.9 s on a 2-core CPU), never a limit.
+# A rough guide for the log line's estimate, never a limit (docs/benchmarks.md,
+# "Load-time estimates").
 _LOAD_BYTES_PER_S = 400 * 2**20
 
 

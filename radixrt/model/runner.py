@@ -15,6 +15,7 @@ from radixrt.kernels.base import AttentionBackend
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.memory.kv_cache import KVCache
 from radixrt.model.llama import LlamaForCausalLM
+from radixrt.model.row_kernels import cpu_row_kernels
 
 
 @functools.cache
@@ -88,6 +89,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.threads = threads if model.device.type == "cpu" else None
+        # The sampler's compiled passes over this runner's logits rows (CPU rows only).
+        self.row_kernels = (cpu_row_kernels(None if self.threads is None else self.threads.large)
+                            if model.device.type == "cpu" else None)  # fmt: skip
 
     @property
     def device(self) -> torch.device:

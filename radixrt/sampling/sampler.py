@@ -21,15 +21,17 @@ import math
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from radixrt.kernels import cpu
 from radixrt.sampling.params import SamplingParams
+from radixrt.sampling.run_data import RunMasks, RunPenalties, RunSampling
 
 # top_p first looks for the nucleus among this many most likely tokens and
 # sorts the whole vocabulary only for rows whose nucleus is larger: a full
-# sort of a 49k vocabulary costs 20x a top-256 on CPU.
+# sort of a large vocabulary costs far more than a top-k of a few hundred on
+# the CPU (docs/benchmarks.md, "The sampler").
 _NUCLEUS_CANDIDATES = 256
 
 _MASK64 = (1 << 64) - 1
@@ -52,6 +54,28 @@ def uniform_for(seed: int, step: int) -> float:
     return ((key >> 12) + 0.5) / 2.0**52  # 52 bits + 0.5 is exact in a float64, so never 0 or 1
 
 
+class RowKernels(Protocol):
+    """Compiled passes over float32 logits rows that compute what the sampler's torch ops do, bit
+    for bit where it says so (the executor supplies them: `radixrt.model.row_kernels`)."""
+
+    def takes(self, logits: torch.Tensor) -> bool:
+        """Whether these logits are laid out as the passes read them."""
+        ...
+
+    def row_stats(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's first argmax, its value and its log-sum-exp."""
+        ...
+
+    def mask_rows(self, logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
+        """In place: row rows[i]'s tokens that allowed[i] does not allow become -inf."""
+        ...
+
+    def sample_rows(self, logits: torch.Tensor, rows: torch.Tensor, maxima: torch.Tensor,
+                    params: Sequence[SamplingParams], uniforms: Sequence[float], tokens: torch.Tensor) -> None:
+        """tokens[rows[i]] drawn at uniforms[i] from its row after params[i]'s temperature and filters."""
+        ...
+
+
 @dataclass(frozen=True)
 class TokenMasks:
     """Output constraints of some rows of a batch: row `rows[i]` may pick only the tokens that
@@ -62,7 +86,7 @@ class TokenMasks:
     allowed: torch.Tensor
 
 
-def apply_masks(logits: torch.Tensor, masks: TokenMasks | None) -> torch.Tensor:
+def apply_masks(logits: torch.Tensor, masks: TokenMasks | None, kernels: RowKernels | None = None) -> torch.Tensor:
     """A copy of float32 `logits` whose disallowed tokens are -inf, or `logits` itself without
     masks. Masking comes first: the penalties, the log-probabilities and every filter then see
     the constrained distribution alone."""
@@ -70,9 +94,8 @@ def apply_masks(logits: torch.Tensor, masks: TokenMasks | None) -> torch.Tensor:
         return logits
     logits = logits.clone()
     rows = torch.tensor(masks.rows, dtype=torch.int64)
-    kernel = cpu.token_masks()
-    if kernel is not None and kernel.takes(logits):
-        kernel(logits, rows, masks.allowed)
+    if kernels is not None and kernels.takes(logits):
+        kernels.mask_rows(logits, rows, masks.allowed)
         return logits
     bits = (masks.allowed.to(logits.device)[:, :, None] >> torch.arange(32, device=logits.device)) & 1
     allowed = bits.flatten(1)[:, : logits.shape[1]].bool()
@@ -102,7 +125,11 @@ class SampleOutput:
 
 
 class Sampler:
-    """Picks the next token of every row of a batch; stateless, so one instance serves all steps."""
+    """Picks the next token of every row of a batch; stateless, so one instance serves all steps.
+    `kernels`: compiled passes that take over rows they can read (None: torch's ops alone)."""
+
+    def __init__(self, kernels: RowKernels | None = None):
+        self.kernels = kernels
 
     def sample(
         self,
@@ -129,9 +156,9 @@ class Sampler:
             if len(seq) != batch_size:
                 raise ValueError(f"{name} must have one entry per logits row ({batch_size}), got {len(seq)}")
         logits = apply_logit_bias(
-            apply_penalties(apply_masks(logits.float(), masks), params, prompt_ids, output_ids), params
+            apply_penalties(apply_masks(logits.float(), masks, self.kernels), params, prompt_ids, output_ids), params
         )
-        argmax, row_max, log_norm = _row_stats(logits)
+        argmax, row_max, log_norm = _row_stats(logits, self.kernels)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled:  # every token is its row's largest value: no gather
             return SampleOutput(argmax, row_max - log_norm, _top_logprobs(logits, log_norm, params),
@@ -140,10 +167,8 @@ class Sampler:
         rows = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
         rows_params = [params[i] for i in sampled]
         row_uniforms = [uniform_for(seeds[i], len(output_ids[i])) for i in sampled]
-        kernel = cpu.row_sampler()  # radixrt's C passes where they run; torch's ops elsewhere
-        if kernel is not None and kernel.takes(logits):
-            kernel(logits, rows, row_max, [p.temperature for p in rows_params], [p.top_k for p in rows_params],
-                   [p.top_p for p in rows_params], [p.min_p for p in rows_params], row_uniforms, token_ids)
+        if self.kernels is not None and self.kernels.takes(logits):
+            self.kernels.sample_rows(logits, rows, row_max, rows_params, row_uniforms, token_ids)
         else:
             token_ids[rows] = _sample_rows(_select(logits, sampled), rows_params, row_uniforms)
         logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - log_norm
@@ -183,8 +208,8 @@ def _ids_logprobs(
 def run_sampling(
     params: Sequence[SamplingParams], seeds: Sequence[int], prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]], stop_ids: Sequence[Sequence[int]], num_steps: int, vocab_size: int,
-    masks: cpu.RunMasks | None = None,
-) -> cpu.RunSampling:
+    masks: RunMasks | None = None,
+) -> RunSampling:
     """How a decode run samples each row, as `Sampler.sample` does: row i with `params[i]`, its
     step s the request's output token `len(output_ids[i]) + s` (the draw `Sampler.sample` would
     make), penalties counted from its prompt and output so far, stopping the run at any of
@@ -196,13 +221,13 @@ def run_sampling(
     if any(p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
         factors = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
                                dtype=torch.float32).T.contiguous()  # fmt: skip
-        penalties = cpu.RunPenalties(factors[0], factors[1], factors[2],
-                                     _dense_token_counts(list(zip(prompt_ids, output_ids)), vocab_size),
-                                     _dense_token_counts([(output,) for output in output_ids], vocab_size))
+        penalties = RunPenalties(factors[0], factors[1], factors[2],
+                                 _dense_token_counts(list(zip(prompt_ids, output_ids)), vocab_size),
+                                 _dense_token_counts([(output,) for output in output_ids], vocab_size))
     stop_ptr = [0]
     for ids in stop_ids:
         stop_ptr.append(stop_ptr[-1] + len(ids))
-    return cpu.RunSampling(
+    return RunSampling(
         temperatures, torch.tensor([p.top_k for p in params], dtype=torch.int64),
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
         torch.tensor([p.min_p for p in params], dtype=torch.float32), uniforms,
@@ -226,12 +251,11 @@ def _as_tensor(tokens: Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(tokens), dtype=torch.int64)
 
 
-def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's first argmax, its value and its log-sum-exp: radixrt's C pass where it runs
-    (about 8x faster than torch's reductions over a 49k vocabulary on one thread), else torch's."""
-    kernel = cpu.row_stats()
-    if kernel is not None and kernel.takes(logits):
-        return kernel(logits)
+def _row_stats(logits: torch.Tensor, kernels: RowKernels | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's first argmax, its value and its log-sum-exp: the compiled pass where it reads the
+    rows, else torch's reductions."""
+    if kernels is not None and kernels.takes(logits):
+        return kernels.row_stats(logits)
     return logits.argmax(dim=-1), logits.amax(dim=-1), torch.logsumexp(logits, dim=-1)
 
 
@@ -297,7 +321,7 @@ def apply_penalties(
     counting output tokens only. Only the logits of tokens in the history are
     touched, so the cost grows with the history, not with batch x vocabulary.
     Each operation is one IEEE float32 rounding, in this order: decode runs
-    (`cpu.RunPenalties`) compute the same bits in C.
+    (`RunPenalties`) compute the same bits in C.
     """
     repetition = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
     additive = [i for i, p in enumerate(params) if p.frequency_penalty != 0 or p.presence_penalty != 0]

@@ -84,8 +84,8 @@ def check_token_range(packed: Packed, start: int) -> None:
 
     A token is in range when its top byte is below 0x80, so short tails are
     checked with one strided slice and `isascii`; from about 2,000 tokens on
-    a numpy `min` over the bytes read as int64 is faster (a 20k-token tail:
-    6 us against 38 us strided, or 13 us with a torch `min`).
+    a numpy `min` over the bytes read as int64 is faster than either that
+    or a torch `min` (docs/benchmarks.md, "Radix tree internals").
     """
     if len(packed) - start < _BULK_CHECK_BYTES:
         in_range = bytes(packed[start + _SIGN_BYTE :: TOKEN_BYTES]).isascii()
@@ -145,7 +145,8 @@ def pack_slots(indices: torch.Tensor, start: int, end: int) -> bytes:
     """Slots `indices[start:end]` (a 1-D int64 tensor) as native int64 bytes.
 
     Nodes keep their slots as bytes: splitting an edge or reading a match then
-    costs a bytes slice or join instead of a tensor op each (~2 us apiece).
+    costs a bytes slice or join, cheaper than the tensor op each would take
+    (docs/benchmarks.md, "Radix tree internals").
     """
     if not indices.is_cpu:
         indices = indices.cpu()

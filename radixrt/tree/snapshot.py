@@ -38,8 +38,8 @@ EvictedEdge = tuple[int, int, int, bytes, int]
 node's id, its parent's id, its tokens, the first `HEAD_TOKENS` of its key, the
 tree's clock then). A plain tuple of small values: `RadixTree.evict` makes one per
 evicted node on its hot path, and holding the node itself kept its key and slots
-(240 KB each for a 30k-token edge) alive until 16 more evictions had passed, which
-made the long-context trace of bench/tree_bench.py 15-19% slower."""
+alive until 16 more evictions had passed, which slowed long-context traces
+(docs/benchmarks.md, "Radix tree internals")."""
 
 
 @dataclass(frozen=True)

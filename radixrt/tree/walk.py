@@ -48,7 +48,8 @@ def walk(root: TreeNode | None, query: Packed, page_bytes: int) -> WalkResult:
 def _walk_view(
     root: TreeNode, query: memoryview, page_bytes: int, path: list[TreeNode]
 ) -> WalkResult:
-    """`walk` over a byte view of a long query (about 0.1 us more per node).
+    """`walk` over a byte view of a long query (slightly dearer per node;
+    docs/benchmarks.md, "Radix tree internals").
 
     A view cannot be a dict key (arrays are unhashable) and has no
     `startswith`, so each node costs a small copy and a view slice more.

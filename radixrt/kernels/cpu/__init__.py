@@ -21,8 +21,9 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
     kv_store.c          a step's new K and V rows into their pool slots in one
                         call, instead of two indexed assignments a layer.
     row_stats.c         each logits row's argmax and log-sum-exp in two
-                        vectorized passes, for the sampler (torch's take ~6x
-                        longer over a 49k vocabulary).
+                        vectorized passes, for the sampler (torch's index
+                        reduction does not vectorize, its logsumexp is
+                        several ops).
     sample_rows.c       a token drawn from a row's temperature-scaled softmax
                         after its top-k/top-p/min-p filters, in a few passes,
                         instead of torch's ~10 ops a row and, for a wide
@@ -43,7 +44,8 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
 
 The sources are compiled together with `-march=native` for this machine,
 cached under `cache_root()/kernels`, and loaded with ctypes (no torch
-headers: building takes about 3 s on the project's 2-core machine, once).
+headers, so the build is one quick compiler run, once; docs/kernels.md,
+"Building the library").
 Without a C compiler, or if building fails, the accessors return None and
 callers keep torch's path.
 """
@@ -67,6 +69,7 @@ from typing import NamedTuple
 import torch
 
 from radixrt.paths import cache_root
+from radixrt.sampling.run_data import RunMasks, RunPenalties, RunSampling
 
 logger = logging.getLogger(__name__)
 
@@ -572,48 +575,6 @@ class RunRows(NamedTuple):
     owner: torch.Tensor
     shared_chunks: torch.Tensor
     chunk: int
-
-
-class RunPenalties(NamedTuple):
-    """A decode run's penalties (the sampler's `apply_penalties`, in C): per row its three factors,
-    and how often each token is in its prompt and output (`seen`) and in its output
-    (`output_counts`), [B, vocab] int32 each, which the run counts on as it draws tokens."""
-
-    repetition: torch.Tensor  # [B] float32
-    frequency: torch.Tensor  # [B] float32
-    presence: torch.Tensor  # [B] float32
-    seen: torch.Tensor
-    output_counts: torch.Tensor
-
-
-class RunMasks(NamedTuple):
-    """A decode run's output constraints: row r with `masked[r]` picks only among the tokens its
-    row of `allowed` ([B, words] int32, a bit per token, set when allowed) allows; after each step
-    but the last, `advance(step, tokens)` (the step's token of every row) writes the next step's
-    masks into `allowed` and returns True to end the run after that step."""
-
-    allowed: torch.Tensor
-    masked: torch.Tensor  # [B] uint8
-    advance: Callable[[int, list[int]], bool]
-
-
-class RunSampling(NamedTuple):
-    """How each row of a decode run picks its tokens: temperature 0 greedy (the first argmax), else
-    a draw at `uniforms[s, r]` ([steps, B] float64) after its filters, as `RowSampler`, each after
-    the row's mask and penalties when there are any; the run stops after a step where row r drew
-    one of `stop_ids[stop_ptr[r]:stop_ptr[r + 1]]`. Each step also reports every row's
-    `top_logprobs` most likely tokens (0: none)."""
-
-    temperatures: torch.Tensor  # [B] float32
-    top_k: torch.Tensor  # [B] int64
-    top_p: torch.Tensor  # [B] float32
-    min_p: torch.Tensor  # [B] float32
-    uniforms: torch.Tensor  # [steps, B] float64
-    stop_ptr: torch.Tensor  # [B + 1] int64
-    stop_ids: torch.Tensor  # int64
-    penalties: RunPenalties | None = None
-    top_logprobs: int = 0
-    masks: RunMasks | None = None
 
 
 class RunOutput(NamedTuple):

@@ -2,10 +2,10 @@
  * A decode run: several decode steps of a steady batch in one call, each
  * sampling its tokens and feeding them to the next.
  *
- * A batch-1 token of the bundled model took 2.77 ms through the engine, of
- * which the model's call 2.43: the rest was scheduling, building the batch,
- * sampling and bookkeeping, slowed by Python's working set coming back from
- * memory after each step streamed ~96 MB of weights through the caches. When
+ * Through the engine, a batch-1 token's time beyond the model's call goes to
+ * scheduling, building the batch, sampling and bookkeeping, all slowed by
+ * Python's working set coming back from memory after each step has streamed
+ * the weights through the caches (docs/kernels.md, "Decode runs"). When
  * every request of the batch is decoding and nothing waiting could be admitted
  * meanwhile (`Scheduler.run_length`), the engine hands k steps to this call:
  *

@@ -3,14 +3,14 @@
  * (a decode batch, a short extend), in one call and one OpenMP parallel
  * region: from token ids to the logits of the rows the caller samples.
  *
- * A batch-1 step of the bundled model is memory-bound: it must stream the
- * ~66 MB of 4-bit layer weights and the ~30 MB LM head once. Done as three
- * calls a layer (the two of int4_layer.c around the attention backend) it
- * read them at a fraction of the machine's bandwidth: each op forked the
- * threads again, and Python ran between the calls; done as one call for the
- * layers with the embedding, RoPE tables, final norm and head in torch
- * around it, ~0.25 ms of a ~3 ms step was still Python. Here the threads are
- * forked once for the whole step and meet at barriers between its phases:
+ * A batch-1 step is memory-bound: it must stream every 4-bit layer weight and
+ * the LM head once. Done as three calls a layer (the two of int4_layer.c
+ * around the attention backend) it read them at a fraction of the machine's
+ * bandwidth: each op forked the threads again, and Python ran between the
+ * calls; with the embedding, RoPE tables, final norm and head left to torch
+ * around one call for the layers, a share of the step was still Python
+ * (docs/kernels.md, "Whole step in one call"). Here the threads are forked
+ * once for the whole step and meet at barriers between its phases:
  *
  *   hidden = embedding[token_ids]                     rows split over threads
  *   per layer:

@@ -14,16 +14,13 @@
 /*
  * The threads of one parallel region, meeting at our own spin barrier.
  *
- * libgomp's barriers spin only ~100 iterations before sleeping in the kernel
- * once the process has more OpenMP threads than CPUs, which it does as soon
- * as two Python threads have run parallel torch ops (the engine's thread and
- * the one that loaded the model): a whole step then paid a futex sleep and
- * wake-up at each of its ~240 barriers, and ran twice as slow on two threads
- * as on one. This barrier spins (with pause) and yields the CPU after 2,000
- * spins, tens of microseconds: longer than a phase of a step waits for its
- * partner, short enough that a partner pushed off its core by another thread
- * (a server's event loop) gets it back soon (at 20,000 spins a served
- * request's time to first token was ~3 ms longer).
+ * libgomp's barriers spin only ~100 iterations before sleeping in the kernel once the process
+ * has more OpenMP threads than CPUs, which it does as soon as two Python threads have run
+ * parallel torch ops (the engine's thread and the one that loaded the model): every barrier of
+ * a step then paid a futex sleep and wake-up. This barrier spins (with pause) and yields the CPU
+ * after 2,000 spins: longer than a phase of a step waits for its partner, short enough that a
+ * partner pushed off its core by another thread (a server's event loop) gets it back soon.
+ * Figures: docs/kernels.md, "Spin barrier".
  */
 typedef struct {
     atomic_int arrived;
@@ -45,15 +42,10 @@ static inline void cpu_relax(void) {
 
 /*
  * Bytes a thread asks the memory for while it waits at a barrier: its share of the weights of
- * the step's next product. A batch-1 step of the bundled model waits ~0.2 ms of its ~1.9 at
- * ~270 barriers (the partner's row work, attention, the slower thread's share), time in which
- * nothing reads memory; requested then, into L2, those bytes no longer wait in the product. A
- * decode run's step on the project's 2-core Zen 4 VM (in-process A/Bs): 1.974 -> 1.904 ms when
- * memory read fast (59-77 GB/s), 2-4% faster than without in slow minutes (41-46 GB/s).
- * A thread that has requested all of that share (one head of attention done while its partner
- * does two, the 100 KB share of the o projection asked for) goes on to its share of the product
- * after: in a decode run's step 0.992x (fast minutes) alone, and part of the 0.974x of the
- * attention changes of decode_attention.c with it (0.960x in slow minutes).
+ * the step's next product. While a thread waits (for its partner's row work, attention, the
+ * slower thread's share) nothing reads memory; requested then, into L2, those bytes no longer
+ * wait in the product. A thread that has requested all of that share goes on to its share of
+ * the product after. Figures: docs/kernels.md, "Barrier prefetch".
  */
 typedef struct {
     const char *next, *end;  /* the next product's share, from where the requests have got to */

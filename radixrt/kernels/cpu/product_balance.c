@@ -1,15 +1,14 @@
 /*
  * How the threads of a team divide a step's weight products between them.
  *
- * An equal share of every product assumes equal cores. On the project's 2-core Zen 4 VM they
- * are not: in the minutes when memory reads fastest (a float32 sum at 70-76 GB/s), one of the
- * two vCPUs streamed its half of each product 10-17% slower than the other (which one followed
- * the vCPU when the threads were pinned), so the faster thread waited at every product's
- * barrier, ~0.2 ms of a ~1.9 ms batch-1 step. Each thread now times its share of each kind of
- * product (the five of a layer and the head, whose speeds differ: 4-bit and 8-bit codes, long
- * and short rows), and between steps thread 0 moves each kind's shares halfway towards the
- * measured speeds, so that the threads finish together. Which thread computes a tile never
- * changes its result (radixrt_quantized_matmul_tiles), so the learnt split changes speed only.
+ * An equal share of every product assumes equal cores, and a VM's vCPUs need not be: where one
+ * streams its half more slowly (the slowness follows the vCPU, not the thread), the faster
+ * thread waits at every product's barrier (docs/kernels.md, "Product balance"). So each thread
+ * times its share of each kind of product (the five of a layer and the head, whose speeds
+ * differ: 4-bit and 8-bit codes, long and short rows), and between steps thread 0 moves each
+ * kind's shares halfway towards the measured speeds, so that the threads finish together. Which
+ * thread computes a tile never changes its result (radixrt_quantized_matmul_tiles), so the
+ * learnt split changes speed only.
  */
 #include <stdint.h>
 #include <string.h>

@@ -4,10 +4,9 @@
  *
  * Sampling reads both for every row of every step (the greedy token, and the
  * log-probability of whatever token is chosen: for the greedy one, its value minus
- * the log-sum-exp, no gather needed). torch's argmax and logsumexp
- * over a 49k vocabulary took ~90 and ~110 us a row on one thread of the
- * project's 2-core machine (its index reductions do not vectorize, and
- * logsumexp is several ops); here a row takes ~15 us. The exponential is
+ * the log-sum-exp, no gather needed). torch's argmax does not vectorize
+ * its index reduction and its logsumexp is several ops; here a row is two
+ * vectorized passes (docs/kernels.md, "Row statistics"). The exponential is
  * scalar.h's (relative error ~2e-7, summed in float32).
  */
 #include <math.h>

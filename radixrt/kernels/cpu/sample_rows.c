@@ -1,9 +1,8 @@
 /*
  * Per row rows[i] of float32 logits: a token drawn from softmax(x / T) by inverse CDF, after the
  * row's top-k, top-p and min-p filters, for the sampler. torch takes ~10 ops a row without
- * filters (~120 us a row over a 49k vocabulary on one thread of the project's 2-core machine),
- * and a top-p row whose nucleus outgrows its candidate window a full sort (~3 ms); here a row
- * takes a few vectorized passes.
+ * filters, and a top-p row whose nucleus outgrows its candidate window a full sort; here a row
+ * takes a few vectorized passes (docs/kernels.md, "Sampling rows").
  *
  * Every filter is a threshold on the logit, computed on the whole row as the sampler defines it
  * (docs/sampling.md): top-k keeps the k largest logits, top-p the fewest largest whose
@@ -154,8 +153,8 @@ static inline float weight_of(const float *x, const float *weights, int64_t j, f
 }
 
 /* The weights of tokens start .. end - 1 with keys >= lowest, summed: each case its own loop, so
- * that each vectorizes (with the test for stored weights inside one loop, the compiler did not:
- * bench/sampler_bench.py's unfiltered rows took 0.84 ms instead of 0.22). */
+ * that each vectorizes (with the test for stored weights inside one loop, the compiler did not;
+ * docs/kernels.md, "Sampling rows"). */
 static inline float block_sum(const float *x, const float *weights, int64_t start, int64_t end, float maximum,
                               float inverse, uint32_t lowest) {
     float sum = 0.0f;
