@@ -3,14 +3,17 @@
 Ways: `copy` (parameters allocated, then every tensor copied from the mapped file into them:
 the loader before folders were shared), `shared` (`load_model`: tensors in the model's dtype
 are the parameters, views of the mapped file), `q8_0` and `q4_0` (`load_model(quantize=...)`).
-Each child imports torch and radixrt first and reports the peak RSS of the load above the RSS
-it had then (VmHWM, reset after the import through /proc/self/clear_refs), the RSS after it, and the RSS after a first step (a 16-token
-prefill; --deterministic auto, `Runtime`'s default: batch-invariant steps where radixrt's
-kernels serve the model, which read the dense weights as loaded; false: a bf16 model's
-projections are packed for oneDNN on that step, a copy of their own) split into anonymous
-memory and mapped file pages (/proc/self/status), all above the import. The folder (default: the bundled SmolLM2-135M-Instruct's
-dense weights written in bf16 to a temp dir, `radixrt.benchmarks.hf_folders`) is read once
-before the children so each finds it in the page cache.
+Each child imports torch and radixrt first, then reports (MiB above its RSS then):
+  - the peak RSS of the load (VmHWM, reset after the import through /proc/self/clear_refs);
+  - the RSS after the load;
+  - the RSS after a first step, a 16-token prefill, split into anonymous memory and mapped
+    file pages (/proc/self/status). --deterministic auto is `Runtime`'s default:
+    batch-invariant steps where radixrt's kernels serve the model, which read the dense
+    weights as loaded; false: a bf16 model's projections are packed for oneDNN on that step,
+    a copy of their own.
+The folder (default: the bundled SmolLM2-135M-Instruct's dense weights written in bf16 to a
+temp dir, `radixrt.benchmarks.hf_folders`) is read once before the children so each finds
+it in the page cache.
 
 Run: python bench/folder_rss_bench.py [--folder PATH] [--ways copy,shared,q8_0,q4_0] [--reps 3]
          [--deterministic auto|false]
@@ -62,7 +65,8 @@ from radixrt.model.runner import ModelRunner
 config = model.config
 cache = KVCache(config.kv_shape(model.dtype), 64)
 backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim)
-ModelRunner(model, cache, backend, deterministic=deterministic).forward(ForwardBatch.build([list(range(16))], [0], [torch.arange(16)]))
+runner = ModelRunner(model, cache, backend, deterministic=deterministic)
+runner.forward(ForwardBatch.build([list(range(16))], [0], [torch.arange(16)]))
 stepped = status()
 print(json.dumps({"peak_mb": (loaded["VmHWM"] - importing["VmRSS"]) / 1024, "load_s": seconds,
                   "loaded_mb": (loaded["VmRSS"] - importing["VmRSS"]) / 1024,
@@ -88,8 +92,8 @@ def main() -> None:
         results: dict[str, list[dict[str, float]]] = {way: [] for way in args.ways.split(",")}
         for _ in range(args.reps):
             for way in results:  # interleaved: a slow minute falls on every way alike
-                done = subprocess.run([sys.executable, "-c", _CHILD, str(folder), way, args.deterministic], capture_output=True,
-                                      text=True, check=True,
+                done = subprocess.run([sys.executable, "-c", _CHILD, str(folder), way, args.deterministic],
+                                      capture_output=True, text=True, check=True,
                                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"})
                 results[way].append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"folder {folder.name}: {(folder / 'model.safetensors').stat().st_size / 2**20:.0f} MiB; medians of "

@@ -129,7 +129,8 @@ def greedy_share(loaded: LoadedModel, chat: list[Piece]) -> float:
     try:
         prompts = [piece.ids[: piece.first] for piece in chat]
         lengths = [len(piece.ids) - piece.first for piece in chat]
-        outputs = runtime.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": max(lengths)})
+        params = {"temperature": 0, "max_new_tokens": max(lengths)}
+        outputs = runtime.generate(input_ids=prompts, sampling_params=params)
     finally:
         runtime.shutdown()
     same = 0
@@ -185,7 +186,7 @@ def main() -> None:
                 targets = torch.tensor(piece.ids[piece.first :])
                 for path, loaded in paths.items():
                     tallies[text, path].add(expected, log_probs(loaded, piece.ids)[piece.first - 1 :], targets)
-    greedy = {path: greedy_share(loaded, corpus["chat answers"]) for path, loaded in paths.items()} if args.greedy else {}
+    greedy = {path: greedy_share(loaded, corpus["chat answers"]) for path, loaded in paths.items() if args.greedy}
     print(f"CPU: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads); {described}")
     for path, share in greedy.items():
         print(f"- {path}: its own greedy chat answers reproduce {share:.1%} of float32's tokens before the first "

@@ -221,7 +221,8 @@ def test_deterministic_outputs_do_not_depend_on_the_batch(bf16_dir, kind):
 
 @pytest.mark.parametrize("options, message", [
     ({"quantize": "q5_0"}, r"quantize must be one of q8_0, q4_0 \(or None\), got 'q5_0'"),
-    ({"quantize": "q4_0", "device": "cuda"}, r"quantize='q4_0' runs on radixrt's quantized CPU kernels; device is 'cuda'"),
+    ({"quantize": "q4_0", "device": "cuda"},
+     r"quantize='q4_0' runs on radixrt's quantized CPU kernels; device is 'cuda'"),
     ({"quantize": "q8_0", "weights": "native"}, r"quantize='q8_0' quantizes a dense model; weights='native'"),
     ({"quantize": "q8_0", "dtype": "float32"}, r"quantize='q8_0' needs radixrt's quantized kernels: dtype bfloat16"),
 ])  # fmt: skip

@@ -22,7 +22,8 @@ _PARAMETERS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "dow
 def state_dict(loaded: LoadedModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A dense model's weights under transformers' names, in `dtype`, fused projections split."""
     model, config = loaded.model, loaded.config
-    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens, "model.norm.weight": model.norm}
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens,
+                                        "model.norm.weight": model.norm}
     if not config.tie_word_embeddings:
         tensors["lm_head.weight"] = model.lm_head
     for index, layer in enumerate(model._decoder_layers()):

@@ -741,7 +741,8 @@ class _StateDictReader:
         stacked = getattr(self.state_dict, "stacked", None)
         if self.share and stacked is not None and all(name in self.state_dict for name, _ in parts):
             whole = stacked([name for name, _ in parts])
-            if whole is not None and tuple(whole.shape) == tuple(destination.shape) and self._shareable(whole, destination):
+            fits = whole is not None and tuple(whole.shape) == tuple(destination.shape)
+            if whole is not None and fits and self._shareable(whole, destination):
                 self.used.update(name for name, _ in parts)
                 setattr(owner, attr, nn.Parameter(whole, requires_grad=False))
                 return

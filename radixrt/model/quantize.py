@@ -163,7 +163,9 @@ def quantize_model(model: LlamaForCausalLM, quantize: str, dense: DenseProjectio
             if len(packed) < len(shapes[index]):
                 layer.prepack()
             layer.use_int4(packed)
-        quantized_head = pack_quantized(matmul, head, 8, placed.take(packed_bytes(8, head_shape))) if runs_head else None
+        quantized_head = None
+        if runs_head:
+            quantized_head = pack_quantized(matmul, head, 8, placed.take(packed_bytes(8, head_shape)))
         model.finish_int4(quantized_head, quantized_embedding=True, placed=placed)
     if dense_left or not runs_head:
         logger.warning("quantize=%s: shapes the quantized kernel's tiles do not take (rows a multiple of 16, inputs "

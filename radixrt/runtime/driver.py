@@ -110,7 +110,8 @@ def check_loaded_model(loaded: LoadedModel, config: RuntimeConfig) -> None:
     if config.weights not in ("auto", loaded.weights):
         raise ValueError(f"weights {config.weights!r} asked for, but the loaded model's are {loaded.weights!r}")
     if config.quantize not in (None, loaded.weights):
-        raise ValueError(f"quantize {config.quantize!r} asked for, but the loaded model's weights are {loaded.weights!r}")
+        raise ValueError(f"quantize {config.quantize!r} asked for, but the loaded model's weights are "
+                         f"{loaded.weights!r}")
 
 
 def pool_tokens(config: RuntimeConfig, shape: KVShape, device: torch.device) -> int:
