@@ -490,7 +490,8 @@ class LlamaForCausalLM(nn.Module):
     def prepare_deterministic(self) -> None:
         """Build what deterministic steps use (check `deterministic_problem` first): on dense weights
         the batch-invariant projections and LM head (no copies: they read the loaded weights);
-        native 4-bit weights have theirs already."""
+        quantized weights have theirs already (the whole-step kernel, or projections in the
+        quantized matmul, whose rows do not depend on their batch)."""
         if self._native:  # quantized projections: radixrt's kernel, the same for a row in any batch
             for layer in self._decoder_layers():
                 if layer.kernel_projections:
