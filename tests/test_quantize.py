@@ -297,3 +297,19 @@ def test_bf16_folder_tensors_become_the_parameters_without_a_copy(bf16_dir):
     assert not any(in_file(p) for p in own.parameters())
     text = "The quick brown fox jumps over the lazy dog. " * 3
     assert torch.equal(prompt_logits(loaded, text), prompt_logits(dataclasses.replace(loaded, model=own), text))
+
+
+@needs_kernels
+def test_an_untied_head_is_quantized_and_its_dense_copy_dropped(make_tiny_hf_model, tiny_tokenizer, tmp_path):
+    folder = tmp_path / "untied"
+    model = make_tiny_hf_model(architectures=["LlamaForCausalLM"]).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    loaded = load_model(folder, dtype="bfloat16", quantize="q8_0")
+    config = loaded.config
+    assert not config.tie_word_embeddings and loaded.model.lm_head.numel() == 0
+    embedding = config.vocab_size * config.hidden_size * 2
+    assert live_bytes(loaded.model) == norms_bytes(config) + embedding, "norms and the looked-up embedding"
+    head = reference(checkpoint_weights(folder)["lm_head.weight"], "q8_0")
+    matmul = cpu.quantized_matmul()
+    assert torch.equal(loaded.model._invariant_lm_head.packed.data, matmul.pack_int8(head.codes, head.scales).data)
