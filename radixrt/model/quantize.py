@@ -68,13 +68,13 @@ def check_quantize(quantize: str | None, weights: str, device: str | torch.devic
 
 
 def check_kernels(quantize: str | None, dtype: torch.dtype) -> None:
-    """ValueError unless radixrt's quantized kernels run here in `dtype` (bfloat16, AVX512-BF16)."""
+    """ValueError unless radixrt's quantized kernels run here in `dtype` (bfloat16, a C compiler)."""
     if quantize is None:
         return
     matmul = cpu.quantized_matmul()
     if dtype != torch.bfloat16 or matmul is None:
         raise ValueError(f"quantize={quantize!r} needs radixrt's quantized kernels: dtype bfloat16 on a CPU with "
-                         f"AVX512-BF16 and a C compiler; here dtype is {str(dtype).removeprefix('torch.')}"
+                         f"a C compiler; here dtype is {str(dtype).removeprefix('torch.')}"
                          f"{'' if matmul is not None else ' and the kernels are unavailable'}")
 
 
@@ -137,7 +137,7 @@ def quantize_model(model: LlamaForCausalLM, quantize: str, dense: DenseProjectio
     caller may release its source), and a Q8_0 LM head quantized from `head` [vocab, hidden]."""
     matmul = cpu.quantized_matmul()
     if matmul is None:
-        raise ValueError("quantize needs radixrt's quantized matmul (a C compiler and AVX512-BF16)")
+        raise ValueError("quantize needs radixrt's quantized matmul (a C compiler)")
     bits = 8 if quantize == "q8_0" else 4
     layers = model._decoder_layers()
     shapes = [layer.projection_shapes() for layer in layers]
