@@ -17,7 +17,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 import radixrt
-from radixrt.config import DEVICES, SCHEDULE_POLICIES, WEIGHTS
+from radixrt.config import DEVICES, QUANTIZE_TYPES, SCHEDULE_POLICIES, WEIGHTS
 from radixrt.kernels import BACKEND_NAMES
 from radixrt.sampling import SamplingParams
 from radixrt.scaleout.config import POLICIES as ROUTER_POLICIES
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXIT_INTERRUPTED = 130  # the shell's convention for a process ended by SIGINT
-_GLOBAL_FOR_BENCH = ("model", "device", "dtype", "attention_backend", "page_size")
+_GLOBAL_FOR_BENCH = ("model", "device", "dtype", "attention_backend", "page_size", "quantize")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,6 +109,9 @@ def _add_global_options(parser: argparse.ArgumentParser, with_defaults: bool) ->
     group.add_argument("--weights", choices=WEIGHTS, default=default("auto"),
                        help="native: keep a GGUF model's 4-bit projections as stored (CPU; fewer bytes per step); "
                        "auto: native for such a model on a bf16 CPU, else dense")
+    group.add_argument("--quantize", choices=QUANTIZE_TYPES, default=default(None),
+                       help="quantize a dense model's projections and LM head at load (a HF folder or an "
+                       "F32/F16/BF16 GGUF; CPU, bfloat16): q8_0 or q4_0, llama.cpp's blocks")
     group.add_argument("--attention-backend", choices=BACKEND_NAMES, default=default("auto"),
                        help="auto: flashinfer, else triton on a GPU; torch on a CPU")
     group.add_argument("--page-size", type=_int_at_least(1), default=default(1), help="tokens per KV page")
@@ -264,7 +267,7 @@ def _run(args: argparse.Namespace, params: SamplingParams | None) -> int:
 def _runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     """The global options as `Runtime` keyword arguments."""
     options: dict[str, Any] = {
-        "device": args.device, "dtype": args.dtype, "weights": args.weights,
+        "device": args.device, "dtype": args.dtype, "weights": args.weights, "quantize": args.quantize,
         "attention_backend": args.attention_backend, "page_size": args.page_size,
         "disable_radix_cache": args.disable_radix_cache, "deterministic": args.deterministic,
         "jump_forward": args.jump_forward,

@@ -15,6 +15,7 @@ from radixrt.kernels import BACKEND_NAMES, DEFAULT_SHARED_PREFIX_MIN_TOKENS
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHTS = ("auto", "dense", "native")
+QUANTIZE_TYPES = ("q8_0", "q4_0")
 
 
 @dataclass
@@ -30,6 +31,12 @@ class RuntimeConfig:
         of the bytes per step (other types load dense, with a warning);
         "auto" is native for a Llama-family GGUF model on the CPU in bfloat16
         (where it is faster), dense otherwise.
+    quantize: None, "q8_0" or "q4_0": quantize a dense model's projections
+        (a Hugging Face folder, or a GGUF of F32/F16/BF16 tensors) at load,
+        in llama.cpp's blocks of 32, and its LM head to Q8_0, for radixrt's
+        quantized CPU kernels (bfloat16 on an AVX512-BF16 CPU): about a
+        half (q8_0) or a third (q4_0) of bf16's projection bytes per decode
+        step (docs/model.md). A GGUF that is already quantized is refused.
     page_size: tokens per KV page; the radix tree caches whole pages only.
     max_total_tokens: KV pool size in tokens. When None it is derived from
         `kv_memory_fraction` of free GPU memory on cuda, or from
@@ -94,6 +101,7 @@ class RuntimeConfig:
     device: str = "auto"
     dtype: str = "auto"
     weights: str = "auto"
+    quantize: str | None = None
     page_size: int = 1
     max_total_tokens: int | None = None
     kv_memory_fraction: float = 0.85
@@ -141,6 +149,8 @@ class RuntimeConfig:
             raise ValueError(f"deterministic must be True, False or 'auto', got {self.deterministic!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZE_TYPES:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_TYPES)} (or None), got {self.quantize!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.attention_backend not in BACKEND_NAMES:

@@ -45,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (GPU)")
     p.add_argument("--attention-backend", default="auto", help="radixrt's attention backend")
     p.add_argument("--page-size", type=int, default=1, help="radixrt's KV page size")
+    p.add_argument("--quantize", choices=("q8_0", "q4_0"), default=None,
+                   help="radixrt quantizes a dense model at load (Runtime(quantize=...))")
     p.add_argument("--workloads", default=",".join(WORKLOAD_NAMES),
                    help=f"comma-separated, of {','.join(WORKLOAD_NAMES)}")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of {','.join(SYSTEM_NAMES)}")
@@ -90,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in group:
                 _log(f"{name}: loading")
                 systems.append(make_system(name, args.model, args.device, args.dtype, args.attention_backend,
-                                           args.page_size))
+                                           args.page_size, args.quantize))
                 _warm_up(systems[-1], workloads)
             for workload in workloads:
                 for system_name, summary in _measure(systems, workload, tokenizer, reps).items():

@@ -28,12 +28,13 @@ class RadixSystem:
     concurrent = True
 
     def __init__(self, model: str | None, *, cache: bool, device: str, dtype: str, attention_backend: str,
-                 page_size: int, deterministic: bool | str = "auto"):
+                 page_size: int, deterministic: bool | str = "auto", quantize: str | None = None):
         from radixrt.runtime import Runtime
 
         self.name = "radixrt-nondeterministic" if deterministic is False else "radixrt" if cache else "radixrt-no-cache"
         self.runtime = Runtime(model, device=device, dtype=dtype, attention_backend=attention_backend,
-                               page_size=page_size, disable_radix_cache=not cache, deterministic=deterministic)
+                               page_size=page_size, disable_radix_cache=not cache, deterministic=deterministic,
+                               quantize=quantize)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, n: int = 1) -> list[list[Completion]]:
         params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
@@ -72,7 +73,7 @@ def model_folder(model: str | None) -> Path:
 
 
 def make_system(name: str, model: str | None, device: str, dtype: str, attention_backend: str,
-                page_size: int) -> System:
+                page_size: int, quantize: str | None = None) -> System:
     """A ready system by name (one of SYSTEM_NAMES)."""
     if name == "transformers":
         from radixrt.benchmarks.hf_system import TransformersSystem
@@ -81,5 +82,6 @@ def make_system(name: str, model: str | None, device: str, dtype: str, attention
     if name in ("radixrt", "radixrt-no-cache", "radixrt-nondeterministic"):
         return RadixSystem(model, cache=name != "radixrt-no-cache", device=device, dtype=dtype,
                            attention_backend=attention_backend, page_size=page_size,
-                           deterministic=False if name == "radixrt-nondeterministic" else "auto")
+                           deterministic=False if name == "radixrt-nondeterministic" else "auto",
+                           quantize=quantize)
     raise ValueError(f"unknown system {name!r}; choose from {list(SYSTEM_NAMES)}")

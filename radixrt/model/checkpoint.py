@@ -1,21 +1,24 @@
 """A Hugging Face folder's weight tensors by name, mapped from the files rather than read into fresh memory.
 
-The loader copies each tensor once, cast, into the model's own parameters.
 Reading a safetensors tensor through `safetensors` first copies it into new
 memory, and touching fresh memory costs page faults (docs/benchmarks.md,
 "Fresh memory on the 2-core VM"). Here a tensor is a view of a private
-memory map of its file: its bytes are the page cache's, read by the copy
-into the model.
+memory map of its file: its bytes are the page cache's. A tensor already in
+the model's dtype becomes the parameter itself, no copy
+(`LlamaForCausalLM.load_hf_state_dict(share=True)`); one in another dtype is
+copied once, cast; the parts of a fused projection are one view where they
+lie back to back in the file (`stacked`), else copied.
 
     file: [u64 header size][header JSON: name -> dtype, shape, data_offsets][data]
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -79,6 +82,42 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         flat = torch.frombuffer(self._maps[shard], dtype=dtype, count=(end - begin) // dtype.itemsize,
                                 offset=data_start + begin)
         return flat.view(entry["shape"])
+
+    def stacked(self, names: Sequence[str]) -> torch.Tensor | None:
+        """The tensors `names` stacked along their first dimension as one view of the file, where
+        they lie back to back in this order in one shard, of one dtype and the same trailing
+        dimensions (a fused projection's parts, e.g. gate and up, which a name-sorted file
+        holds in that order); else None."""
+        places = [self._where[name] for name in names]
+        shard, first, data_start = places[0]
+        dtype = _DTYPES.get(first["dtype"])
+        if dtype is None or (data_start + first["data_offsets"][0]) % dtype.itemsize:
+            return None
+        end = first["data_offsets"][0]
+        for where, entry, _ in places:
+            same = entry["dtype"] == first["dtype"] and entry["shape"][1:] == first["shape"][1:]
+            if where != shard or not same or entry["data_offsets"][0] != end or not entry["shape"]:
+                return None
+            end = entry["data_offsets"][1]
+        rows = sum(entry["shape"][0] for _, entry, _ in places)
+        begin = first["data_offsets"][0]
+        if begin == end:
+            return None
+        flat = torch.frombuffer(self._maps[shard], dtype=dtype, count=(end - begin) // dtype.itemsize,
+                                offset=data_start + begin)
+        return flat.view(rows, *first["shape"][1:])
+
+    def release(self, names: Sequence[str]) -> None:
+        """Drop the whole pages of these tensors from this process's memory once they are read (a
+        quantizing load: they stay in the page cache, and a later read maps them back)."""
+        page = mmap.PAGESIZE
+        for name in names:
+            shard, entry, data_start = self._where[name]
+            begin, end = (data_start + offset for offset in entry["data_offsets"])
+            first, last = -(-begin // page) * page, end // page * page  # pages wholly inside the tensor
+            if last > first:
+                with contextlib.suppress(OSError, ValueError, AttributeError):  # advice only
+                    self._maps[shard].madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

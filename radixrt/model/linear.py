@@ -102,27 +102,39 @@ def int4(weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = Non
 DENSE_MIN_ROWS = 65
 
 
-def packed(weight: cpu.PackedWeight, bias: torch.Tensor | None = None) -> Linear:
+def packed(weight: cpu.PackedWeight, bias: torch.Tensor | None = None) -> PackedLinear:
     """`x @ w.T (+ bias)` for bf16 rows over a weight already in radixrt's packed layouts
     (`Int4LayerSteps`' own, so a layer holds its projections once): through the quantized kernel,
     or from DENSE_MIN_ROWS rows by a bf16 GEMM over the weight dequantized into a scratch buffer
-    the calls of this thread share (the weights' values rounded once to bf16: steps whose rows
-    must not depend on the batch take the whole-step kernel instead)."""
+    the calls of this thread share (the weights' values rounded once to bf16). Steps whose rows
+    must not depend on the batch take `PackedLinear.invariant()`, always the quantized kernel."""
     kernel = cpu.quantized_matmul()
     if kernel is None:
         raise ValueError("radixrt's quantized matmul is not available: it needs a C compiler")
+    return PackedLinear(kernel, weight, bias, dense=True)
 
-    def linear(x: torch.Tensor) -> torch.Tensor:
+
+class PackedLinear:
+    """`packed`'s linear (see there); `dense` False: the quantized kernel at every row count."""
+
+    def __init__(self, kernel: cpu.QuantizedMatmul, weight: cpu.PackedWeight, bias: torch.Tensor | None, dense: bool):
+        self.kernel, self.weight, self.bias, self.dense = kernel, weight, bias, dense
+
+    def invariant(self) -> PackedLinear:
+        """This product through the quantized kernel only: a row's result the same in any batch."""
+        return PackedLinear(self.kernel, self.weight, self.bias, dense=False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
         rows = _rows(x, x.shape[-1])
-        if rows.shape[0] >= DENSE_MIN_ROWS and rows.dtype == torch.bfloat16:
-            out = F.linear(rows, kernel.dequantize(weight, _dense_scratch(weight.num_rows * weight.columns())), bias)
+        if self.dense and rows.shape[0] >= DENSE_MIN_ROWS and rows.dtype == torch.bfloat16:
+            scratch = _dense_scratch(weight.num_rows * weight.columns())
+            out = F.linear(rows, self.kernel.dequantize(weight, scratch), bias)
         else:
-            out = kernel(rows, weight)
+            out = self.kernel(rows, weight)
             if bias is not None:
                 out = out + bias
         return out.view(*x.shape[:-1], weight.num_rows)
-
-    return linear
 
 
 _scratch = threading.local()  # .buffer: the bf16 weight `packed` dequantizes into, grown as needed

@@ -150,6 +150,10 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = _weight(*shapes["down"], device=device, dtype=dtype)
         self._bind_linears(linear.plain)
         self.int4_steps: Int4LayerSteps | None = None  # decode-sized steps in C (`use_int4`)
+        # every projection multiplies in radixrt's quantized kernel (`use_int4`), whose rows do not
+        # depend on their batch: deterministic steps may use them as they are
+        self.kernel_projections = False
+        self.packed_projections: dict[str, cpu.PackedWeight] = {}  # those `use_int4` runs one at a time
         # (qkv, o, gate_up, down) for deterministic steps (`use_rowwise`)
         self.rowwise: tuple[linear.Linear, linear.Linear, linear.Linear, linear.Linear] | None = None
 
@@ -189,10 +193,11 @@ class LlamaDecoderLayer(nn.Module):
         self._bind_linears(linear.plain)
 
     def use_int4(self, weights: Mapping[str, Int4Weight | cpu.PackedWeight]) -> None:
-        """Multiply by these 4-bit projections (any of "qkv", "o", "gate_up", "down"; as codes, or
-        already in radixrt's kernel layout) at every step size; the others stay dense. Their dense
-        parameters are dropped: a projection that runs quantized is held once, in the kernel's
-        layout, never beside a dense copy."""
+        """Multiply by these quantized projections (any of "qkv", "o", "gate_up", "down"; 4-bit
+        codes, or weights already in radixrt's packed layouts, any format) at every step size; the
+        others stay dense. Their dense parameters are dropped: a projection that runs quantized is
+        held once, in the kernel's layout, never beside a dense copy. The layer's C steps
+        (`Int4LayerSteps`) take every packed format."""
         shapes = self.projection_shapes()
         for name, weight in weights.items():
             shape = weight.shape if isinstance(weight, Int4Weight) else packed_shape(weight)
@@ -216,13 +221,18 @@ class LlamaDecoderLayer(nn.Module):
         biases = {"qkv": self.qkv_bias, "o": self.o_bias}
         for name, weight in weights.items():
             bias = biases.get(name)
+            if isinstance(weight, cpu.PackedWeight):
+                self.packed_projections[name] = weight
             made = linear.int4(weight, dtype, bias) if isinstance(weight, Int4Weight) else linear.packed(weight, bias)
             setattr(self, name, made)
+        self.kernel_projections = len(weights) == len(shapes) and all(
+            isinstance(w, cpu.PackedWeight) or linear.runs_own_kernel(w.shape, dtype) for w in weights.values())
 
     def use_int4_steps(self, steps: Int4LayerSteps) -> None:
         """Run small steps in `steps`' two C calls, and larger ones through the same packed
         weights one projection at a time (no dense copy of them exists)."""
         self.int4_steps = steps
+        self.kernel_projections = True
         self.qkv, self.o, self.gate_up, self.down = (linear.packed(packed) for packed in steps.packed_weights())
 
     def forward(
@@ -472,7 +482,7 @@ class LlamaForCausalLM(nn.Module):
                     "kernels build with a C compiler, bfloat16 or float32, at most 16 query heads per KV head "
                     "and heads of at most 256")
         if self._native:
-            if self._stack is None:
+            if self._stack is None and not all(layer.kernel_projections for layer in self._decoder_layers()):
                 return ("on native quantized weights deterministic steps need the whole-step C kernel: a plain "
                         "Llama-family GGUF model whose every projection is in a packed format (Q4_0, Q4_1, Q5_0, "
                         "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and a C compiler (this model: "
@@ -480,6 +490,8 @@ class LlamaForCausalLM(nn.Module):
             if self._invariant_lm_head is None:
                 return ("deterministic steps need the GGUF file's LM head stored in a packed format (Q4_0, Q4_1, "
                         "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)")
+            if self._stack is None and any(kind.logit_softcap is not None for kind in self._attention_kinds):
+                return "deterministic steps do not cover soft-capped attention scores (Gemma 2) yet"
             return None
         if cpu.rowwise_matmul() is None:
             return "deterministic steps on dense weights need radixrt's rowwise matmul: a C compiler"
@@ -490,8 +502,16 @@ class LlamaForCausalLM(nn.Module):
     def prepare_deterministic(self) -> None:
         """Build what deterministic steps use (check `deterministic_problem` first): on dense weights
         the batch-invariant projections and LM head (no copies: they read the loaded weights);
-        native 4-bit weights have theirs already."""
-        if self._native or self._invariant_lm_head is not None:
+        quantized weights have theirs already (the whole-step kernel, or projections in the
+        quantized matmul, whose rows do not depend on their batch)."""
+        if self._native:  # quantized projections: radixrt's kernel, the same for a row in any batch
+            for layer in self._decoder_layers():
+                if layer.kernel_projections:  # never the dense products `linear.packed` takes for many rows
+                    qkv, o, gate_up, down = (p.invariant() if isinstance(p, linear.PackedLinear) else p
+                                             for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                    layer.rowwise = (qkv, o, gate_up, down)
+            return
+        if self._invariant_lm_head is not None:
             return
         for layer in self._decoder_layers():
             layer.use_rowwise()
@@ -632,80 +652,144 @@ class LlamaForCausalLM(nn.Module):
         return head
 
     @torch.no_grad()
-    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], projections: bool = True) -> None:
-        """Copy weights named as in a transformers checkpoint, fusing q/k/v and gate/up (Phi-3's come fused).
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], projections: bool = True,
+                           share: bool = False) -> None:
+        """Load weights named as in a transformers checkpoint, fusing q/k/v and gate/up (Phi-3's come fused).
 
         `state_dict` may be any mapping (e.g. lazily reading safetensors
         shards); each tensor is read once and copied into place, cast to this
         model's dtype. Missing, unexpected or mis-shaped tensors raise
         ValueError naming them. With tied embeddings a stored `lm_head.weight`
         is ignored. `projections` False skips the layers' projections (native
-        weights bring their own; see `use_int4_projections`).
+        weights bring their own; see `use_int4_projections`). `share`: a
+        tensor already in this model's dtype, on the CPU, becomes the
+        parameter itself instead of being copied (a view of a memory-mapped
+        file stays one); the parts of a fused projection do only where the
+        mapping finds them back to back (`stacked`), else they are copied.
         """
-        loader = _StateDictReader(state_dict)
-        project = loader.copy if projections else lambda _, name: loader.ignore(name)
+        loader = _StateDictReader(state_dict, share and self.device.type == "cpu")
         config = self.config
-        loader.copy(self.embed_tokens, "model.embed_tokens.weight")
-        loader.copy(self.norm, "model.norm.weight")
+        loader.load(self, "embed_tokens", "model.embed_tokens.weight")
+        loader.load(self, "norm", "model.norm.weight")
         if config.tie_word_embeddings:
             loader.ignore("lm_head.weight")
+            self.lm_head = self.embed_tokens
         else:
-            loader.copy(self.lm_head, "lm_head.weight")
-        q_rows = config.num_heads * config.head_dim
-        kv_rows = config.num_kv_heads * config.head_dim
-        qkv_slices = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows)}
-        # Phi-3 stores q/k/v and gate/up already fused, in our row order
-        fused = config.architecture == "Phi3ForCausalLM"
+            loader.load(self, "lm_head", "lm_head.weight")
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             prefix = f"model.layers.{i}."
-            loader.copy(layer.input_norm, prefix + "input_layernorm.weight")
-            loader.copy(layer.post_attention_norm, prefix + "post_attention_layernorm.weight")
+            loader.load(layer, "input_norm", prefix + "input_layernorm.weight")
+            loader.load(layer, "post_attention_norm", prefix + "post_attention_layernorm.weight")
             if layer.pre_feedforward_norm is not None and layer.post_feedforward_norm is not None:
-                loader.copy(layer.pre_feedforward_norm, prefix + "pre_feedforward_layernorm.weight")
-                loader.copy(layer.post_feedforward_norm, prefix + "post_feedforward_layernorm.weight")
+                loader.load(layer, "pre_feedforward_norm", prefix + "pre_feedforward_layernorm.weight")
+                loader.load(layer, "post_feedforward_norm", prefix + "post_feedforward_layernorm.weight")
             loader.ignore(prefix + "self_attn.rotary_emb.inv_freq")
-            if fused:
-                project(layer.qkv_proj, prefix + "self_attn.qkv_proj.weight")
-            for name, (start, rows) in ({} if fused else qkv_slices).items():
-                project(layer.qkv_proj.narrow(0, start, rows), f"{prefix}self_attn.{name}.weight")
-                if layer.qkv_bias is not None:
-                    loader.copy(layer.qkv_bias.narrow(0, start, rows), f"{prefix}self_attn.{name}.bias")
-            project(layer.o_proj, prefix + "self_attn.o_proj.weight")
+            parts = checkpoint_projections(config, i)
+            for fused, names in parts.items():
+                if projections:
+                    loader.load_rows(layer, _PROJECTION_PARAMETERS[fused], names)
+                else:
+                    for name, _ in names:
+                        loader.ignore(name)
+            if layer.qkv_bias is not None:
+                loader.load_rows(layer, "qkv_bias", [(name.removesuffix("weight") + "bias", rows)
+                                                     for name, rows in parts["qkv"]])  # fmt: skip
             if layer.o_bias is not None:
-                loader.copy(layer.o_bias, prefix + "self_attn.o_proj.bias")
+                loader.load(layer, "o_bias", prefix + "self_attn.o_proj.bias")
             if layer.q_norm is not None and layer.k_norm is not None:
-                loader.copy(layer.q_norm, prefix + "self_attn.q_norm.weight")
-                loader.copy(layer.k_norm, prefix + "self_attn.k_norm.weight")
-            intermediate = config.intermediate_size
-            if fused:
-                project(layer.gate_up_proj, prefix + "mlp.gate_up_proj.weight")
-            else:
-                project(layer.gate_up_proj.narrow(0, 0, intermediate), prefix + "mlp.gate_proj.weight")
-                project(layer.gate_up_proj.narrow(0, intermediate, intermediate), prefix + "mlp.up_proj.weight")
-            project(layer.down_proj, prefix + "mlp.down_proj.weight")
+                loader.load(layer, "q_norm", prefix + "self_attn.q_norm.weight")
+                loader.load(layer, "k_norm", prefix + "self_attn.k_norm.weight")
         loader.finish()
+        if loader.share:  # the linears over the parameters as they now are
+            for layer in self._decoder_layers():
+                layer._bind_linears(linear.plain)
+            self._lm_head = linear.plain(self.lm_head)
+
+
+def checkpoint_projections(config: ModelConfig, index: int) -> dict[str, list[tuple[str, int]]]:
+    """Layer `index`'s fused projections ("qkv", "o", "gate_up", "down") as the transformers
+    checkpoint stores them: (tensor name, rows) in our row order (Phi-3 stores q/k/v and gate/up
+    already fused)."""
+    prefix = f"model.layers.{index}."
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inner, hidden = config.intermediate_size, config.hidden_size
+    if config.architecture == "Phi3ForCausalLM":
+        qkv = [(prefix + "self_attn.qkv_proj.weight", q_rows + 2 * kv_rows)]
+        gate_up = [(prefix + "mlp.gate_up_proj.weight", 2 * inner)]
+    else:
+        qkv = [(f"{prefix}self_attn.{name}_proj.weight", rows) for name, rows in (("q", q_rows), ("k", kv_rows),
+                                                                                   ("v", kv_rows))]  # fmt: skip
+        gate_up = [(prefix + "mlp.gate_proj.weight", inner), (prefix + "mlp.up_proj.weight", inner)]
+    return {"qkv": qkv, "o": [(prefix + "self_attn.o_proj.weight", hidden)], "gate_up": gate_up,
+            "down": [(prefix + "mlp.down_proj.weight", hidden)]}  # fmt: skip
 
 
 class _StateDictReader:
-    """Tracks which checkpoint tensors were used, to report missing and unexpected ones together."""
+    """Tracks which checkpoint tensors were used, to report missing and unexpected ones together.
 
-    def __init__(self, state_dict: Mapping[str, torch.Tensor]):
+    With `share`, a tensor of the destination's dtype and device becomes the parameter (see
+    `LlamaForCausalLM.load_hf_state_dict`); otherwise it is copied into the one allocated."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], share: bool = False):
         self.state_dict = state_dict
+        self.share = share
         self.used: set[str] = set()
         self.missing: list[str] = []
 
-    def copy(self, destination: torch.Tensor, name: str) -> None:
+    def load(self, owner: nn.Module, attr: str, name: str) -> None:
+        """`owner.attr` = the checkpoint's tensor `name`: shared where it can be, else copied."""
+        destination = getattr(owner, attr)
+        tensor = self._checked(name, tuple(destination.shape))
+        if tensor is None:
+            return
+        if self._shareable(tensor, destination):
+            setattr(owner, attr, nn.Parameter(tensor, requires_grad=False))
+        else:
+            destination.copy_(tensor)
+            self._release([name])
+
+    def load_rows(self, owner: nn.Module, attr: str, parts: Sequence[tuple[str, int]]) -> None:
+        """`owner.attr` = the checkpoint's tensors (name, rows) stacked along rows: one view of the
+        file where the mapping has them back to back (`stacked`), else copied part by part."""
+        destination = getattr(owner, attr)
+        stacked = getattr(self.state_dict, "stacked", None)
+        if self.share and stacked is not None and all(name in self.state_dict for name, _ in parts):
+            whole = stacked([name for name, _ in parts])
+            fits = whole is not None and tuple(whole.shape) == tuple(destination.shape)
+            if whole is not None and fits and self._shareable(whole, destination):
+                self.used.update(name for name, _ in parts)
+                setattr(owner, attr, nn.Parameter(whole, requires_grad=False))
+                return
+        start = 0
+        for name, rows in parts:
+            part = destination.narrow(0, start, rows)
+            tensor = self._checked(name, tuple(part.shape))
+            if tensor is not None:
+                part.copy_(tensor)
+                self._release([name])
+            start += rows
+
+    def _release(self, names: list[str]) -> None:
+        """Where tensors are shared, the map outlives the load: the pages of one copied are
+        dropped from the process (`SafetensorsWeights.release`; they stay in the page cache)."""
+        release = getattr(self.state_dict, "release", None) if self.share else None
+        if release is not None:
+            release(names)
+
+    def _checked(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         self.used.add(name)
         if name not in self.state_dict:
             self.missing.append(name)
-            return
+            return None
         tensor = self.state_dict[name]
-        if tuple(tensor.shape) != tuple(destination.shape):
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(destination.shape)}"
-            )
-        destination.copy_(tensor)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {shape}")
+        return tensor
+
+    def _shareable(self, tensor: torch.Tensor, destination: torch.Tensor) -> bool:
+        return (self.share and tensor.dtype == destination.dtype and tensor.device == destination.device
+                and tensor.is_contiguous())
 
     def ignore(self, name: str) -> None:
         self.used.add(name)

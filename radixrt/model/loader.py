@@ -27,6 +27,7 @@ import torch
 
 from radixrt.memory.kv_cache import KVShape
 from radixrt.model import gguf_loader, gguf_plan
+from radixrt.model import quantize as quantizer
 from radixrt.model.checkpoint import checkpoint_bytes, checkpoint_weights
 from radixrt.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixrt.model.gguf_cache import gguf_to_hf_folder
@@ -76,7 +77,9 @@ class LoadedModel:
     tokenizer: Any
     name: str
     path: Path
-    weights: str = "dense"  # or "native": projections (and LM head) run as the GGUF file stores them
+    # or "native": projections (and LM head) run as the GGUF file stores them; or "q8_0" / "q4_0":
+    # a dense model's projections and LM head quantized at load (`quantize`)
+    weights: str = "dense"
     read_hf_config: Callable[[], Any] = field(kw_only=True, repr=False, compare=False)
 
     @property
@@ -162,6 +165,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     weights: str = "dense",
     kv_pool_bytes: Callable[[KVShape], int] | None = None,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """Load `model` (a HF folder, a .gguf file, or None for the bundled SmolLM2) onto `device`.
 
@@ -171,7 +175,9 @@ def load_model(
     "auto" is native where that is faster (a Llama-family GGUF on the CPU in
     bfloat16: torch's float32 4-bit kernel is slow) and dense elsewhere. `kv_pool_bytes(kv_shape)`, if given,
     is the KV pool the caller will allocate: a GGUF load checks that the
-    weights and that pool fit in memory before allocating either.
+    weights and that pool fit in memory before allocating either. `quantize` "q8_0" or "q4_0"
+    quantizes a dense model's projections (and LM head) at load for radixrt's quantized CPU
+    kernels (`radixrt.model.quantize`; bfloat16 on an AVX512-BF16 CPU; a quantized GGUF is refused).
 
     Raises FileNotFoundError for a missing path, weights or tokenizer files, ValueError for an
     unsupported architecture/dtype/device/weights, a malformed GGUF, a GGUF without tokenizer
@@ -179,8 +185,10 @@ def load_model(
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    quantizer.check_quantize(quantize, weights, device)  # a GPU refused even on a machine without one
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
+    quantizer.check_kernels(quantize, resolved_dtype)
     if model is None:
         source, name = bundled_model_path(), BUNDLED_MODEL_NAME
     elif isinstance(model, (str, os.PathLike)):
@@ -196,6 +204,9 @@ def load_model(
     if source.is_file() and source.suffix != ".gguf":
         raise ValueError(f"model file {str(source)!r} is not a .gguf file; pass a .gguf file or a folder")
     file = _checked_gguf(source) if source.is_file() else None
+    if file is not None and quantize is not None:
+        quantizer.check_dense_gguf(file, quantize)
+        weights = "dense"
     if weights == "auto":  # tensors without a native kernel then load dense, with one WARNING
         native = (file is not None and gguf_loader.is_native_architecture(file) and resolved_device.type == "cpu"
                   and resolved_dtype == torch.bfloat16)
@@ -210,14 +221,15 @@ def load_model(
         if resolved_device.type != "cpu":
             raise ValueError(f"weights='native' runs on the CPU (the quantized CPU kernels); device is {resolved_device}")
     if file is not None and gguf_loader.is_native_architecture(file):
-        return _load_gguf(file, name, resolved_device, resolved_dtype, weights == "native", kv_pool_bytes)
+        return _load_gguf(file, name, resolved_device, resolved_dtype, weights == "native", kv_pool_bytes, quantize)
     if file is not None:
         logger.warning("%s: GGUF architecture %r is not read directly yet (only %s): converting it through "
                        "transformers into a cached fp32 folder", name, file.architecture,
                        ", ".join(gguf_loader.NATIVE_ARCHITECTURES))
         del file  # its memory map: the conversion reads the file again
-        return _load_folder(gguf_to_hf_folder(source), name, resolved_device, resolved_dtype)
-    return _load_folder(source, name, resolved_device, resolved_dtype)
+        return _load_folder(gguf_to_hf_folder(source), name, resolved_device, resolved_dtype, quantize)
+    return _load_folder(source, name, resolved_device, resolved_dtype, quantize)
+
 
 
 def _checked_gguf(path: Path) -> GGUFFile:
@@ -237,23 +249,30 @@ def _checked_gguf(path: Path) -> GGUFFile:
 
 
 def _load_gguf(file: GGUFFile, name: str, device: torch.device, dtype: torch.dtype, native: bool,
-               kv_pool_bytes: Callable[[KVShape], int] | None) -> LoadedModel:
+               kv_pool_bytes: Callable[[KVShape], int] | None, quantize: str | None = None) -> LoadedModel:
     started = time.perf_counter()
     config, tokenizer, read_hf_config = gguf_loader.config_and_tokenizer(file)
     plan = gguf_plan.plan_tensors(file, config, native, gguf_loader.native_runs(dtype),
                                   gguf_loader.lookup_runs(dtype))
     native = any(plan.native) or plan.head is not None  # else every tensor fell back to dense
-    gguf_plan.check_memory(file, plan, config, device, dtype, kv_pool_bytes)
+    gguf_plan.check_memory(file, plan, config, device, dtype, kv_pool_bytes)  # as dense: an upper bound
     logger.info("loading %s: %.0f MB of GGUF tensors from %s as %s on %s, %s", name, file.path.stat().st_size / 2**20,
                 file.path, str(dtype).removeprefix("torch."), device,
+                f"projections quantized to {quantize}" if quantize else
                 "quantized projections as stored" if native else "every weight dense")
-    model = gguf_loader.build_model(file, plan, config, device, dtype)
+    if quantize is None:
+        model = gguf_loader.build_model(file, plan, config, device, dtype)
+    else:  # everything but the projections as the dense load reads it, then each projection quantized
+        no_projections = gguf_plan.TensorPlan([{} for _ in plan.dense], [{} for _ in plan.dense], None)
+        model = gguf_loader.build_model(file, no_projections, config, device, dtype)
+        quantizer.quantize_gguf(model, file, config, quantize)
     logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=file.path,
-                       weights="native" if native else "dense", read_hf_config=read_hf_config)
+                       weights=quantize or ("native" if native else "dense"), read_hf_config=read_hf_config)
 
 
-def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype,
+                 quantize: str | None = None) -> LoadedModel:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder")
     if not any((folder / file).is_file() for file in _TOKENIZER_FILES):
@@ -269,12 +288,15 @@ def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dty
     )
     config, tokenizer, read_hf_config = _config_and_tokenizer(folder)
     weights = checkpoint_weights(folder)
-    model = LlamaForCausalLM(config, device=device, dtype=dtype)
-    model.load_hf_state_dict(weights)
+    # tensors in the model's dtype become its parameters: views of the mapped files, no copy
+    model = LlamaForCausalLM(config, device=device, dtype=dtype, dense_projections=quantize is None)
+    model.load_hf_state_dict(weights, projections=quantize is None, share=True)
     model.prepack()
+    if quantize is not None:
+        quantizer.quantize_checkpoint(model, weights, config, quantize)
     logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=folder,
-                       read_hf_config=read_hf_config)
+                       weights=quantize or "dense", read_hf_config=read_hf_config)
 
 
 def _config_and_tokenizer(folder: Path) -> tuple[ModelConfig, Any, Callable[[], Any]]:

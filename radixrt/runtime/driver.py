@@ -61,7 +61,7 @@ def build_engine(model: Any, config: RuntimeConfig) -> BuiltEngine:
         check_loaded_model(model, config)
         loaded = model
     else:
-        loaded = load_model(model, device=wanted, dtype=config.dtype, weights=config.weights,
+        loaded = load_model(model, device=wanted, dtype=config.dtype, weights=config.weights, quantize=config.quantize,
                             kv_pool_bytes=lambda kv: pool_tokens(config, kv, torch.device(wanted)) * kv.bytes_per_token)
     device = loaded.model.device
     model_config = loaded.config
@@ -109,6 +109,9 @@ def check_loaded_model(loaded: LoadedModel, config: RuntimeConfig) -> None:
         raise ValueError(f"dtype {config.dtype!r} asked for, but the loaded model is in {dtype}")
     if config.weights not in ("auto", loaded.weights):
         raise ValueError(f"weights {config.weights!r} asked for, but the loaded model's are {loaded.weights!r}")
+    if config.quantize not in (None, loaded.weights):
+        raise ValueError(f"quantize {config.quantize!r} asked for, but the loaded model's weights are "
+                         f"{loaded.weights!r}")
 
 
 def pool_tokens(config: RuntimeConfig, shape: KVShape, device: torch.device) -> int:
