@@ -208,7 +208,7 @@ def test_a_k_quant_shape_that_does_not_match_its_blocks_is_refused(files, tmp_pa
 def test_a_prefill_multiplies_densely_by_the_dequantized_weights(mix):
     """A step of more rows than the whole-step kernel takes (non-deterministic): each projection a
     bf16 GEMM over its weight dequantized, bit for bit F.linear over the packed rows as bf16; a
-    step of fewer rows stays on the quantized kernel."""
+    step of fewer rows, or one whose rows must not depend on the batch, the quantized kernel."""
     matmul = cpu.quantized_matmul()
     assert matmul is not None
     weight = mix.model.layers[2].int4_steps.qkv  # Q4_K q and k rows, Q6_K v rows
@@ -218,3 +218,4 @@ def test_a_prefill_multiplies_densely_by_the_dequantized_weights(mix):
     dense = torch.nn.functional.linear(x, matmul.rows(weight, torch.arange(weight.num_rows)))
     assert torch.equal(project(x), dense)
     assert torch.equal(project(x[:8]), matmul(x[:8], weight))
+    assert torch.equal(project.invariant()(x), matmul(x, weight)), "deterministic steps keep the kernel"
