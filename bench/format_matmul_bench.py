@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radixrt.benchmarks.gguf_models import _random_blocks  # noqa: E402
 from radixrt.kernels import cpu  # noqa: E402
-from radixrt.kernels.cpu.formats import FORMATS, FormatWeight, format_matmul  # noqa: E402
+from radixrt.kernels.cpu.format_matmul import FORMATS, FormatWeight, format_matmul  # noqa: E402
 
 
 def file_rows(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from radixrt.benchmarks.gguf_models import _random_blocks
 from radixrt.kernels import cpu
-from radixrt.kernels.cpu.formats import BLOCKS, FORMATS, FormatMatmul, FormatWeight, format_matmul
+from radixrt.kernels.cpu.format_matmul import FORMATS, FormatMatmul, FormatWeight, format_matmul
+from radixrt.kernels.cpu.formats import BLOCKS
 
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 NATIVE = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")  # format_layout.h's own kernels

@@ -164,13 +164,3 @@ int radixrt_dequantize_rows(int format, const void *data, int64_t row_bytes, int
     return 0;
 }
 
-int radixrt_dequantize_gather_bf16(int format, const void *data, int64_t row_bytes, const int64_t *ids, int64_t count,
-                                   int64_t cols, uint16_t *out, float *scratch) {
-    const FormatTraits *t = traits(format);
-    if (t == NULL || cols <= 0 || cols % t->block_elements != 0) return -1;
-    for (int64_t i = 0; i < count; i++) {
-        radixrt_dequantize_rows(format, (const char *)data + ids[i] * row_bytes, row_bytes, 1, cols, scratch);
-        for (int64_t c = 0; c < cols; c++) out[i * cols + c] = float_to_bf16(scratch[c]);
-    }
-    return 0;
-}

@@ -80,12 +80,5 @@ _Static_assert(sizeof(BlockQ6_K) == 210, "Q6_K block");
 int radixrt_dequantize_rows(int format, const void *data, int64_t row_bytes, int64_t rows, int64_t cols, float *out);
 /* formats.c: a format's block size in elements and bytes; -1 for a format without a row */
 int radixrt_format_block(int format, int *block_elements, int *block_bytes);
-/*
- * formats.c: rows ids[0 .. count) of a table of `format` rows (`row_bytes` apart) as bf16 (out:
- * count * cols), each element rounded once from its float32 value (a token embedding looked up
- * from the quantized table). scratch: cols floats. Ids unchecked; -1 as radixrt_dequantize_rows.
- */
-int radixrt_dequantize_gather_bf16(int format, const void *data, int64_t row_bytes, const int64_t *ids, int64_t count,
-                                   int64_t cols, uint16_t *out, float *scratch);
 
 #endif

@@ -1,131 +1,60 @@
-"""Every GGUF weight format the CPU kernels run natively, behind one product API (format_matmul.h).
+"""GGUF weight formats as data: which formats exist, their type numbers and block sizes.
 
-`FormatMatmul.pack` repacks a weight's file rows into tiles of 16 rows at load; calling it
-multiplies bf16 rows by the packed weight; `dequantize` gives rows of it back as bf16 (for steps
-with enough rows to multiply densely). Q4_0/Q4_1/Q8_0 use `QuantizedMatmul`'s layouts, the
-K-quants and Q5_0/Q5_1 format_layout.h's.
+    FORMATS["Q4_K"]  ->  WeightFormat(name="Q4_K", type_number=12, block_elements=256, block_bytes=144)
+
+Each row mirrors a row of the C table (`FORMATS[]` in formats.c, block structs in formats.h, the
+plain-C reference dequantizers bit for bit equal to gguf's); `format_matmul.check_table()` says
+where the two disagree. The formats the kernels multiply as stored are `PACKED`; their layouts
+and kernels are format_matmul.h's. Plain data: this module imports nothing of the package.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import NamedTuple
 
-import torch
 
-from radixrt.kernels.cpu import _load, _threads
+class WeightFormat(NamedTuple):
+    name: str
+    type_number: int  # GGUF's tensor type (ggml_type)
+    block_elements: int
+    block_bytes: int
 
-# GGUF's tensor type numbers (formats.h) and each format's block: (elements, bytes)
-FORMATS: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-BLOCKS: dict[int, tuple[int, int]] = {
-    2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+    def row_bytes(self, cols: int) -> int:
+        """Bytes of a row of `cols` elements (ValueError unless whole blocks)."""
+        if cols <= 0 or cols % self.block_elements:
+            raise ValueError(f"a {self.name} row holds whole blocks of {self.block_elements} elements, not {cols}")
+        return cols // self.block_elements * self.block_bytes
+
+
+FORMATS: dict[str, WeightFormat] = {
+    fmt.name: fmt
+    for fmt in (
+        WeightFormat("F32", 0, 1, 4),
+        WeightFormat("F16", 1, 1, 2),
+        WeightFormat("BF16", 30, 1, 2),
+        WeightFormat("Q4_0", 2, 32, 18),
+        WeightFormat("Q4_1", 3, 32, 20),
+        WeightFormat("Q5_0", 6, 32, 22),
+        WeightFormat("Q5_1", 7, 32, 24),
+        WeightFormat("Q8_0", 8, 32, 34),
+        WeightFormat("Q4_K", 12, 256, 144),
+        WeightFormat("Q5_K", 13, 256, 176),
+        WeightFormat("Q6_K", 14, 256, 210),
+    )
 }
-TILE_ROWS = 16
 
 
-class FormatWeight(NamedTuple):
-    """A weight packed for `FormatMatmul`: `data` uint8 [num_rows / 16, tile bytes]."""
+def weight_format(name: str) -> WeightFormat:
+    """The table's row for a GGUF type name (ValueError naming the accepted ones)."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"weight format {name!r} has no row in the format table; formats: "
+                         f"{', '.join(FORMATS)}") from None
 
-    data: torch.Tensor
-    format: int  # GGUF's type number
-    num_rows: int
-    num_cols: int
-
-
-class FormatMatmul:
-    """`radixrt_format_matmul_*`: bf16 rows times a weight of any native GGUF format."""
-
-    def __init__(self, library: ctypes.CDLL):
-        pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._tile_bytes = library.radixrt_format_tile_bytes
-        self._tile_bytes.argtypes, self._tile_bytes.restype = [i32, i64], i64
-        self._pack = library.radixrt_pack_format_rows
-        self._pack.argtypes, self._pack.restype = [i32, pointer, i64, i64, pointer, i32], i32  # rows, N, K, out
-        self._matmul = library.radixrt_format_matmul_bf16
-        self._matmul.argtypes = [
-            i32, i32, pointer, i64, i64,  # format, portable, x, x_row_stride, rows
-            pointer, i64, i64, pointer, pointer, i32,  # tiles, N, K, out fp32, out bf16, num_threads
-        ]
-        self._matmul.restype = i32
-        self._dequantize = {}
-        for portable, name in ((False, ""), (True, "_portable")):
-            function = getattr(library, f"radixrt_format_dequantize_tiles_bf16{name}")
-            function.argtypes = [i32, pointer, i64, i64, i64, pointer]  # format, tiles, K, first, last, out
-            function.restype = None
-            self._dequantize[portable] = function
-
-    def tile_bytes(self, format: int, num_cols: int) -> int:
-        """Bytes of one packed tile of 16 rows; 0 for an unknown format or K not whole blocks."""
-        return int(self._tile_bytes(format, num_cols))
-
-    def pack(self, format: int, rows: torch.Tensor, num_cols: int, out: torch.Tensor | None = None) -> FormatWeight:
-        """The file rows at the addresses `rows` ([N] int64; the caller keeps them alive) packed:
-        N a multiple of 16, `num_cols` of the format's block. `out`: the packed bytes to write into."""
-        num_rows = rows.numel()
-        if format not in BLOCKS:
-            raise ValueError(f"format must be one of GGUF's types {sorted(BLOCKS)}, got {format}")
-        if num_rows % TILE_ROWS or num_cols <= 0 or num_cols % BLOCKS[format][0]:
-            raise ValueError(f"weight shape ({num_rows}, {num_cols}): rows must be a multiple of {TILE_ROWS}, "
-                             f"columns of {BLOCKS[format][0]}")
-        tile_bytes = self.tile_bytes(format, num_cols)
-        size = num_rows // TILE_ROWS * tile_bytes
-        data = torch.empty(size, dtype=torch.uint8) if out is None else out
-        if data.numel() != size or not data.is_contiguous() or data.dtype != torch.uint8:
-            raise ValueError(f"out must be {size} contiguous bytes")
-        rows = rows.to(torch.int64).contiguous()
-        status = self._pack(format, rows.data_ptr(), num_rows, num_cols, data.data_ptr(), _threads())
-        if status == -1:
-            raise ValueError("a Q4_0 block's offset (-8 times its scale) does not fit in float16")
-        if status == -3:
-            raise MemoryError("packing could not allocate")
-        if status:
-            raise ValueError(f"format {format} with shape ({num_rows}, {num_cols}) has no packed layout")
-        return FormatWeight(data.view(num_rows // TILE_ROWS, tile_bytes), format, num_rows, num_cols)
-
-    def pack_blocks(self, format: int, blocks: torch.Tensor) -> FormatWeight:
-        """A weight's file bytes [N, row bytes] (uint8, rows contiguous) packed."""
-        elements, block_bytes = BLOCKS[format]
-        num_cols = blocks.shape[1] // block_bytes * elements
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % block_bytes or blocks.stride(1) != 1:
-            raise ValueError(f"blocks must be uint8 [N, a multiple of {block_bytes}] with contiguous rows")
-        addresses = blocks.data_ptr() + torch.arange(blocks.shape[0], dtype=torch.int64) * blocks.stride(0)
-        return self.pack(format, addresses, num_cols)
-
-    def __call__(self, x: torch.Tensor, weight: FormatWeight, out: torch.Tensor | None = None,
-                 portable: bool = False) -> torch.Tensor:
-        """`x @ w.T` for bf16 rows `x` [M, K] (unit stride along K): bf16 [M, N], or written to the
-        fp32 tensor `out` [M, N], contiguous, and returned. `portable`: the plain-C kernel."""
-        rows, num_cols = x.shape
-        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or num_cols != weight.num_cols:
-            raise ValueError(f"x must be bf16 [M, {weight.num_cols}] with unit stride along K")
-        if out is None:
-            result = torch.empty(rows, weight.num_rows, dtype=torch.bfloat16)
-            out_f32, out_bf16 = 0, result.data_ptr()
-        else:
-            if out.dtype != torch.float32 or out.shape != (rows, weight.num_rows) or not out.is_contiguous():
-                raise ValueError(f"out must be a contiguous float32 [{rows}, {weight.num_rows}]")
-            result, out_f32, out_bf16 = out, out.data_ptr(), 0
-        status = self._matmul(weight.format, int(portable), x.data_ptr(), x.stride(0), rows, weight.data.data_ptr(),
-                              weight.num_rows, num_cols, out_f32, out_bf16, _threads())
-        if status == -1:
-            raise MemoryError("format matmul kernel could not allocate its scratch")
-        if status:
-            raise ValueError(f"format {weight.format} with shape ({weight.num_rows}, {num_cols}) has no kernel")
-        return result
-
-    def dequantize(self, weight: FormatWeight, first_row: int = 0, last_row: int | None = None,
-                   portable: bool = False) -> torch.Tensor:
-        """Rows [first_row, last_row) of the packed weight as bf16 [rows, K] (gguf's float32
-        weights rounded to nearest even). `portable`: the plain-C version (the same bits)."""
-        last = weight.num_rows if last_row is None else last_row
-        if not 0 <= first_row < last <= weight.num_rows:
-            raise ValueError(f"rows [{first_row}, {last}) must lie in [0, {weight.num_rows}] and not be empty")
-        result = torch.empty(last - first_row, weight.num_cols, dtype=torch.bfloat16)
-        self._dequantize[portable](weight.format, weight.data.data_ptr(), weight.num_cols, first_row, last, result.data_ptr())
-        return result
-
-
-def format_matmul() -> FormatMatmul | None:
-    """The compiled format kernels; None where the kernels cannot be built."""
-    library = _load()
-    return None if library is None else FormatMatmul(library)
+# GGUF's type number of every format in the table, by name
+TYPE_NUMBERS: dict[str, int] = {fmt.name: fmt.type_number for fmt in FORMATS.values()}
+# The formats the kernels multiply as the file stores them (format_matmul.h), and their blocks by type number
+PACKED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+BLOCKS: dict[int, tuple[int, int]] = {FORMATS[name].type_number: (FORMATS[name].block_elements,
+                                                                   FORMATS[name].block_bytes) for name in PACKED}

@@ -16,13 +16,14 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from radixrt.kernels.cpu.formats import TYPE_NUMBERS
+
 MATRIX_MAX_PARTS = 3  # MATRIX_MAX_PARTS in kernels.h: a fused qkv's q, k and v
 # GGUF type numbers (formats.h)
 FORMAT_BF16 = 30
 FORMAT_Q4_1 = 3
 FORMAT_Q8_0 = 8
-FORMATS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
-           "Q6_K": 14, "BF16": 30}  # fmt: skip
+FORMATS = TYPE_NUMBERS  # every format in the table, by name
 
 
 class PackedPart(NamedTuple):

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrt.kernels.cpu import format_table as formats
-from radixrt.kernels.cpu.format_table import FORMATS
+from radixrt.kernels.cpu import format_matmul, formats
+from radixrt.kernels.cpu.formats import FORMATS
 
-pytestmark = pytest.mark.skipif(formats._load() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(format_matmul._load() is None, reason="no C compiler")
 
 # Offsets of each block's fp16 scales (the rest of a block is codes and sub-block scales).
 _FP16_AT = {"F16": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
@@ -36,7 +36,9 @@ def random_blocks(name: str, rows: int, blocks_per_row: int, seed: int) -> np.nd
 
 
 def test_python_table_matches_c_and_gguf():
-    assert formats.check_table() == []
+    assert format_matmul.check_table() == []
+    assert set(formats.PACKED) <= set(FORMATS)
+    assert all(format_matmul.format_matmul().tile_bytes(FORMATS[name].type_number, 256) > 0 for name in formats.PACKED)
     for fmt in FORMATS.values():
         qtype = gguf.GGMLQuantizationType[fmt.name]
         assert int(qtype) == fmt.type_number
@@ -51,21 +53,10 @@ def test_reference_dequantizer_equals_gguf_bit_for_bit(name, rows, blocks, seed)
     data = random_blocks(name, rows, blocks, seed)
     cols = blocks * fmt.block_elements
     expected = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[name]).astype(np.float32)
-    ours = formats.dequantize_rows(fmt, torch.from_numpy(data), cols).numpy()
+    ours = format_matmul.dequantize_rows(fmt, torch.from_numpy(data), cols).numpy()
     assert ours.shape == expected.shape == (rows, cols)
     np.testing.assert_array_equal(ours.view(np.uint32), expected.view(np.uint32))
 
-
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q5_1"])
-def test_gather_rounds_the_reference_once(name):
-    fmt = FORMATS[name]
-    data = torch.from_numpy(random_blocks(name, 9, 2, seed=7))
-    cols = 2 * fmt.block_elements
-    ids = torch.tensor([3, 0, 8, 3])
-    dense = formats.dequantize_rows(fmt, data, cols)
-    assert torch.equal(formats.gather_rows_bf16(fmt, data, ids, cols), dense[ids].to(torch.bfloat16))
-    with pytest.raises(IndexError, match="outside the table's 9 rows"):
-        formats.gather_rows_bf16(fmt, data, torch.tensor([9]), cols)
 
 
 def test_bad_input_is_named():
@@ -75,6 +66,6 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="whole blocks of 256 elements, not 300"):
         q4k.row_bytes(300)
     with pytest.raises(ValueError, match="fewer than 512 elements"):
-        formats.dequantize_rows(q4k, torch.zeros(2, 144, dtype=torch.uint8), 512)
+        format_matmul.dequantize_rows(q4k, torch.zeros(2, 144, dtype=torch.uint8), 512)
     with pytest.raises(ValueError, match="uint8"):
-        formats.dequantize_rows(q4k, torch.zeros(2, 144, dtype=torch.int16), 256)
+        format_matmul.dequantize_rows(q4k, torch.zeros(2, 144, dtype=torch.int16), 256)
