@@ -75,7 +75,7 @@ ROWS = (  # (result key, label, unit, digits)
 class Sizes:
     """Workload sizes; prompt lengths are targets in tokens, reached by whole sentences."""
 
-    prefill_tokens: int = 320
+    prefill_tokens: int = 300
     decode_tokens: int = 64
     fork_tokens: int = 330
     fork_samples: int = 8
