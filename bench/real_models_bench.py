@@ -176,7 +176,7 @@ class LlamaCppSystem:
 
 def _cpu_features(system_info: str) -> str:
     """The instruction sets llama.cpp's CPU backend was built for (`llama_print_system_info`'s `X = 1`)."""
-    parts = [p.strip() for p in system_info.replace("|", ";").split(";")]
+    parts = [p.strip() for p in system_info.removeprefix("CPU :").replace("|", ";").split(";")]
     return ", ".join(p.split("=")[0].strip() for p in parts if p.endswith("= 1")) or system_info.strip()
 
 
