@@ -38,8 +38,7 @@ A system that fails prints why; the others go on.
 
     python bench/real_models_bench.py /work/models/smollm2-1.7b-shape.Q4_0.gguf --runs 3 \\
         --radixrt-checkout /work/main --json out.json --out out.md
-    python bench/real_models_bench.py /work/models/llama-3.1-8b-shape.Q4_K_M.gguf --sizes small \\
-        --systems llamacpp,llamacpp-avx2
+    python bench/real_models_bench.py /work/models/llama-3.1-8b-shape.Q4_K_M.gguf --sizes small --runs 1
 """
 
 from __future__ import annotations
@@ -87,8 +86,9 @@ class Sizes:
 
 SIZES = {
     "full": Sizes(),
-    # an 8B-sized file: every system's run a few minutes on 2 cores
-    "small": Sizes(decode_tokens=32, fork_new_tokens=16, few_shot_questions=8, few_shot_new_tokens=8),
+    # an 8B-sized file: one run of three systems within half an hour on 2 cores (docs/benchmarks.md)
+    "small": Sizes(decode_tokens=16, fork_new_tokens=8, few_shot_prefix_tokens=500, few_shot_questions=4,
+                   few_shot_new_tokens=8),
     "quick": Sizes(prefill_tokens=100, decode_tokens=8, fork_tokens=100, fork_samples=2, fork_new_tokens=4,
                    few_shot_prefix_tokens=200, few_shot_questions=2, few_shot_new_tokens=4),
 }
