@@ -7,7 +7,8 @@ repetition; the report gives medians of `--runs`. Systems:
   radixrt        radixrt.Runtime(model=FILE) with its defaults, from the checkout
                  `--radixrt-checkout` (PYTHONPATH; run from there), with
                  RADIXRT_CPU_ISA=`--radixrt-isa` when given
-  llamacpp       llama-cpp-python built with GGML_NATIVE=ON (`--llamacpp-python`)
+  llamacpp       llama-cpp-python built with GGML_NATIVE=ON, AMX code off (its AMX path
+                 crashes on the project's VM; docs/benchmarks.md) (`--llamacpp-python`)
   llamacpp-avx2  llama-cpp-python built for AVX2/FMA/F16C, every AVX-512, AMX and
                  AVX-VNNI option off (`--llamacpp-avx2-python`)
 
@@ -25,7 +26,7 @@ prints both pools' bytes). Measures, in this order, in one process:
   decode     the same prompt again (cached), `decode_tokens` greedy tokens:
              seconds / tokens (one step re-reads the prompt's last token)
   fork       one ~330-token prompt, `fork_samples` continuations of
-             `fork_new_tokens` at T=0.7, cold: radixrt with n=8 in one request,
+             `fork_new_tokens` at T=0.7, cold: radixrt with `n` in one request,
              llama.cpp one sequence after another (llama-cpp-python's `Llama`
              serves one sequence; each sample reuses the prompt's KV)
   few-shot   `few_shot_questions` questions behind a warm shared prefix of
