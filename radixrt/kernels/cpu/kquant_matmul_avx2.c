@@ -35,6 +35,8 @@
 #if RADIXRT_ISA_AVX2 && !RADIXRT_ISA_AVX512
 #include <immintrin.h>
 
+#include "avx2_lanes.h"
+
 #define X16_MAX 32767
 #define MAX_ROWS 8
 #define PREFETCH_BYTES 4096
@@ -47,22 +49,6 @@ typedef struct {
     const int32_t *sum16;  /* [m][K / 16]: sum x16 over 16 inputs (the biases' factor) */
 } IntegerRows;
 
-static inline __m256 widen_bf16(const uint16_t *p) {
-    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-}
-
-static inline float horizontal_max(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-static inline int32_t horizontal_sum(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
 
 /* The m rows of x as 16-bit integers per group of 32 (see the top of the file), with each group's
  * s, s times its sum of x16, and the sums of x16 per 16 inputs. */
@@ -90,7 +76,7 @@ static IntegerRows integer_rows(const uint16_t *x, int64_t x_stride, int64_t m, 
                 /* packs works within 128-bit lanes: the quarters back in order */
                 _mm256_storeu_si256((__m256i *)(x16 + r * num_cols + g * LAYOUT_GROUP + 16 * h),
                                     _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8));
-                sums[h] = horizontal_sum(_mm256_add_epi32(q[2 * h], q[2 * h + 1]));
+                sums[h] = horizontal_sum_epi32(_mm256_add_epi32(q[2 * h], q[2 * h + 1]));
                 sum16[r * 2 * groups + 2 * g + h] = sums[h];
             }
             const float s = zero ? 0.0f : largest / (float)X16_MAX;

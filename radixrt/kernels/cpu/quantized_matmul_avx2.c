@@ -20,6 +20,8 @@
 
 #if RADIXRT_ISA_AVX2
 #include <immintrin.h>
+
+#include "avx2_lanes.h"
 #include <string.h>
 
 #include "quantized_matmul.h"
@@ -33,19 +35,6 @@ typedef struct {
     float *sum;  /* [m][groups]: sum x, float32 (4-bit offsets) */
 } IntegerRows;
 
-static inline __m256 widen_bf16(__m128i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)); }
-
-static inline float horizontal_max(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-static inline float horizontal_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 /* The m rows of x as 16-bit integers per group, with each group's s and (float32) sum of x. */
 static IntegerRows integer_rows(const uint16_t *x, int64_t x_stride, int64_t m, int64_t num_cols, void *scratch) {
@@ -59,13 +48,13 @@ static IntegerRows integer_rows(const uint16_t *x, int64_t x_stride, int64_t m, 
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t *xs = x + r * x_stride + g * GROUP;
             __m256 v[4];
-            for (int i = 0; i < 4; i++) v[i] = widen_bf16(_mm_loadu_si128((const __m128i *)(xs + 8 * i)));
+            for (int i = 0; i < 4; i++) v[i] = widen_bf16(xs + 8 * i);
             const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
             const float largest = horizontal_max(amax);
             const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? (float)X16_MAX / largest : 0.0f);
             rows.scale[r * groups + g] = largest / (float)X16_MAX;
-            rows.sum[r * groups + g] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+            rows.sum[r * groups + g] = horizontal_sum_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
             __m256i q[4];
             for (int i = 0; i < 4; i++)  /* |x / s| <= X16_MAX up to the quotient's rounding: clamp */
                 q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse)), limit), low_limit);
