@@ -6,7 +6,6 @@ dense run of the same weights."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -21,12 +20,11 @@ from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_file import GGUFFile
 from radixrt.model.gguf_int4 import PROJECTIONS
 from radixrt.model.loader import LoadedModel, load_model
-from radixrt.paths import CACHE_ENV_VAR
 from radixrt.sampling.params import SamplingParams
 from radixrt.sampling.sampler import run_sampling
 from tests.test_decode_run import deterministic_runner, sequences, step_by_step
 from tests.test_decode_stack import both_paths, make_batch
-from tests.test_gguf_native import file_order, logits_of, with_dims
+from tests.test_gguf_native import cache_dir, file_order, logits_of, with_dims  # noqa: F401 (cache_dir: autouse)
 
 # K-quant rows are whole blocks of 256 inputs: every projection's inputs are 256 or 512 wide
 SHAPE = LlamaShape(num_layers=3, hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, tied=False)
@@ -40,15 +38,6 @@ LEGACY_MIX = {"blk.0.attn_v.weight": "Q5_1", "blk.0.ffn_up.weight": "Q8_0", "blk
 LOGIT_ATOL = 0.05
 
 pytestmark = pytest.mark.skipif(cpu.quantized_matmul() is None, reason="no packed kernels (no C compiler)")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    cpu.quantized_matmul()  # the kernels built (or found) in the usual cache, once per process
-    with pytest.MonkeyPatch.context() as patch:
-        path = tmp_path_factory.mktemp("radixrt-cache")
-        patch.setenv(CACHE_ENV_VAR, str(path))
-        yield path
 
 
 @pytest.fixture(scope="module")
