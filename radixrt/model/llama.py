@@ -50,7 +50,7 @@ from radixrt.memory import huge_pages
 from radixrt.model import gemma, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_int4 import Int4Weight, Int8Weight, NativeWeights
-from radixrt.model.int4_layer import Int4DecodeStack, Int4LayerSteps
+from radixrt.model.int4_layer import Int4DecodeStack, Int4LayerSteps, layer_extras, stack_extras
 from radixrt.model.rope import RotaryEmbedding
 
 
@@ -73,10 +73,10 @@ _PROJECTION_PARAMETERS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_
 
 @dataclass(frozen=True)
 class StackedStep:
-    """The plan of a step `Int4DecodeStack` runs: its attention as segments, and the softmax scale."""
+    """The plan of a step `Int4DecodeStack` runs: its attention as segments, one per attention
+    plan of the stack (`Int4DecodeStack.windows`)."""
 
-    segments: AttentionSegments
-    scale: float
+    segments: tuple[AttentionSegments, ...]
 
 
 StepPlan = Mapping[LayerAttention, Any] | StackedStep
@@ -150,6 +150,7 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = _weight(*shapes["down"], device=device, dtype=dtype)
         self._bind_linears(linear.plain)
         self.int4_steps: Int4LayerSteps | None = None  # decode-sized steps in C (`use_int4`)
+        self.stack_steps: Int4LayerSteps | None = None  # the layer as the whole-step kernel runs it
         # every projection multiplies in radixrt's quantized kernel (`use_int4`), whose rows do not
         # depend on their batch: deterministic steps may use them as they are
         self.kernel_projections = False
@@ -210,14 +211,18 @@ class LlamaDecoderLayer(nn.Module):
         plain_llama = (self.q_norm is None and self.qkv_bias is None and self.o_bias is None
                        and self.pre_feedforward_norm is None and self.activation is F.silu
                        and config.rotary_dim == config.head_dim and config.local_rope_theta is None)
-        if plain_llama and len(weights) == len(shapes):
+        steps = None
+        if len(weights) == len(shapes):
             steps = Int4LayerSteps.create(
                 weights, self.input_norm, self.post_attention_norm, config.rms_norm_eps, config.num_heads,
-                config.num_kv_heads, config.head_dim,
+                config.num_kv_heads, config.head_dim, None if plain_llama else layer_extras(self),
             )  # fmt: skip
-            if steps is not None:
-                self.use_int4_steps(steps)
-                return
+        if steps is not None and plain_llama:
+            self.use_int4_steps(steps)
+            return
+        if steps is not None:  # the whole-step kernel runs it; alone, its torch ops over the same packed weights
+            self.stack_steps = steps
+            weights = dict(zip(("qkv", "o", "gate_up", "down"), steps.packed_weights()))
         biases = {"qkv": self.qkv_bias, "o": self.o_bias}
         for name, weight in weights.items():
             bias = biases.get(name)
@@ -231,7 +236,7 @@ class LlamaDecoderLayer(nn.Module):
     def use_int4_steps(self, steps: Int4LayerSteps) -> None:
         """Run small steps in `steps`' two C calls, and larger ones through the same packed
         weights one projection at a time (no dense copy of them exists)."""
-        self.int4_steps = steps
+        self.int4_steps = self.stack_steps = steps
         self.kernel_projections = True
         self.qkv, self.o, self.gate_up, self.down = (linear.packed(packed) for packed in steps.packed_weights())
 
@@ -405,10 +410,12 @@ class LlamaForCausalLM(nn.Module):
         if self._packed_embedding is not None and isinstance(packed_head, linear.PackedLMHead) and (
                 self.config.tie_word_embeddings and not isinstance(quantized_embedding, cpu.PackedWeight)):
             self._packed_embedding = packed_head.packed  # the head as placed, read by both
-        attention = self._attention_kinds
-        if len(attention) == 1 and attention[0].sliding_window is None and attention[0].logit_softcap is None:
-            steps = [layer.int4_steps for layer in self._decoder_layers()]
-            self._stack = Int4DecodeStack.create(steps, self.config.intermediate_size)
+        layers = self._decoder_layers()
+        ropes = self._distinct_ropes
+        extras = stack_extras(self.config, layers, [layer.stack_steps for layer in layers],
+                              [ropes.index(rope) for rope in self._layer_ropes])  # fmt: skip
+        if extras is not None:
+            self._stack = Int4DecodeStack.create(extras[0], self.config.intermediate_size, extras[1])
 
     def embedding_runs_quantized(self, format: int, shape: tuple[int, int]) -> bool:
         """Whether an embedding table of `format` (a GGUF type number) and `shape` can be looked up
@@ -468,8 +475,8 @@ class LlamaForCausalLM(nn.Module):
 
         Only radixrt's own kernels are invariant by construction (every row the same
         instructions whatever the step holds), and they run on the CPU: on native 4-bit
-        weights the whole-stack kernel (a Llama without extras, the file's own quantized LM
-        head); on dense bf16 or float32 weights the rowwise matmul and the C attention
+        weights the whole-stack kernel (any family: `int4_layer`'s docstring; the file's own
+        quantized LM head); on dense bf16 or float32 weights the rowwise matmul and the C attention
         reading the pool, full or in a sliding window, without a score cap (RMSNorm:
         radixrt's in bf16, torch's in float32 and Gemma's, whose rows are reduced alone:
         measured, and the tests check it).
@@ -483,9 +490,9 @@ class LlamaForCausalLM(nn.Module):
                     "and heads of at most 256")
         if self._native:
             if self._stack is None and not all(layer.kernel_projections for layer in self._decoder_layers()):
-                return ("on native quantized weights deterministic steps need the whole-step C kernel: a plain "
-                        "Llama-family GGUF model whose every projection is in a packed format (Q4_0, Q4_1, Q5_0, "
-                        "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and a C compiler (this model: "
+                return ("on native quantized weights deterministic steps need the whole-step C kernel: every "
+                        "projection in a packed format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), at most "
+                        "two attention windows and a C compiler (this model: "
                         f"{self.config.architecture}); weights='dense' runs them on the dense weights")
             if self._invariant_lm_head is None:
                 return ("deterministic steps need the GGUF file's LM head stored in a packed format (Q4_0, Q4_1, "
@@ -531,13 +538,13 @@ class LlamaForCausalLM(nn.Module):
             if self._stack is None:
                 return {kind: backend.plan_segments(chunked[kind.sliding_window], kind)
                         for kind in self._attention_kinds}
-            (attention,) = self._attention_kinds
-            return StackedStep(chunked[None], backend.softmax_scale(attention))
+            return StackedStep(tuple(chunked[window] for window in self._stack.windows))
         if (self._stack is not None and batch.num_tokens <= STACK_MAX_ROWS
                 and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place):
-            (attention,) = self._attention_kinds
-            return StackedStep(attention_segments(batch, backend.shared_prefix_min_tokens),
-                               backend.softmax_scale(attention))
+            min_shared, chunk = backend.shared_prefix_min_tokens, backend.attention_chunk
+            return StackedStep(tuple(
+                attention_segments(batch, min_shared) if window is None
+                else aligned_attention_segments(batch, min_shared, chunk, window) for window in self._stack.windows))
         return {kind: backend.plan(batch, kind) for kind in self._attention_kinds}
 
     def forward(
@@ -551,7 +558,7 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(plans, StackedStep):
             assert self._stack is not None
             hidden = self._stack.hidden_states(self._embedding_table(), self._rope_tables(batch), batch, backend.kv_cache,
-                                               plans.segments, plans.scale)  # fmt: skip
+                                               plans.segments)  # fmt: skip
             return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         hidden = self._embed(batch.input_ids)
         if self.embedding_scale is not None:
@@ -575,7 +582,7 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(plans, StackedStep) and isinstance(head, linear.PackedLMHead):
             assert self._stack is not None
             return self._stack.logits(self._embedding_table(), self._rope_tables(batch), batch, backend.kv_cache,
-                                      plans.segments, plans.scale, self.norm, head.packed, logit_rows.contiguous())
+                                      plans.segments, self.norm, head.packed, logit_rows.contiguous())
         hidden = self.forward(batch, backend, plans, deterministic)
         return self.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)), deterministic)
 
@@ -583,7 +590,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether `decode_run` takes deterministic steps over this backend: native 4-bit weights
         in the whole-stack kernel, the file's own LM head, radixrt's C attention."""
         return (self._stack is not None and isinstance(self._invariant_lm_head, linear.PackedLMHead)
-                and isinstance(backend, TorchAttentionBackend) and self.config.final_logit_softcapping is None)
+                and isinstance(backend, TorchAttentionBackend))
 
     def decode_run(
         self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[torch.Tensor],
@@ -598,7 +605,6 @@ class LlamaForCausalLM(nn.Module):
         many `logits` steps and `Sampler.sample` give, bit for bit."""
         assert self._stack is not None and isinstance(self._invariant_lm_head, linear.PackedLMHead)
         assert isinstance(backend, TorchAttentionBackend)
-        (attention,) = self._attention_kinds
         lengths = [slot_list.numel() for slot_list in slots]
         starts = [0]
         for length in lengths[:-1]:
@@ -614,11 +620,9 @@ class LlamaForCausalLM(nn.Module):
         count = len(tokens)
         rows = cpu.RunRows(index[:count], index[count : 2 * count], all_slots, index[2 * count : 3 * count],
                            index[3 * count : 4 * count], index[4 * count :], chunk)
-        tables = self.rope.tables(max(positions) + num_steps, self.dtype)
-        return self._stack.decode_run(self._embedding_table(), tables, backend.kv_cache,
-                                      backend.softmax_scale(attention),
-                                      self.norm, self._invariant_lm_head.packed, rows, sampling, num_steps,
-                                      interrupt)
+        tables = [rope.tables(max(positions) + num_steps, self.dtype) for rope in self._distinct_ropes]
+        return self._stack.decode_run(self._embedding_table(), tables, backend.kv_cache, self.norm,
+                                      self._invariant_lm_head.packed, rows, sampling, num_steps, interrupt)
 
     def _embedding_table(self) -> torch.Tensor | cpu.PackedWeight:
         """What token rows are looked up in: the dense embedding, or a packed one (the tied LM head,
@@ -633,8 +637,9 @@ class LlamaForCausalLM(nn.Module):
         assert matmul is not None  # a packed embedding is made only where it runs
         return matmul.rows(table, ids.cpu().reshape(-1)).to(self.dtype).view(*ids.shape, -1)
 
-    def _rope_tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope.tables(max(batch.seq_lens), self.dtype)
+    def _rope_tables(self, batch: ForwardBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each distinct rope's tables, in `_distinct_ropes` order (the stack's rope indices)."""
+        return [rope.tables(max(batch.seq_lens), self.dtype) for rope in self._distinct_ropes]
 
     def compute_logits(self, hidden_rows: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """float32 logits [N, vocab_size] for N rows of `forward`'s output (soft-capped where the

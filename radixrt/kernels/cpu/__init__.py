@@ -34,9 +34,11 @@ on setup than on arithmetic at those sizes, a plain C loop does the job:
     int4_layer.c        a quantized Llama layer's work around attention (norms,
                         projections, RoPE, SwiGLU, residuals) in two calls
                         instead of about thirty ops, for decode-sized steps.
-    decode_stack.c      a whole step of such a model, token ids to logits,
-                        for a few new tokens in one call: threads forked once
-                        a step, not once an op, and no Python in between.
+    decode_stack.c      a whole step of a Llama-family model (biases, q/k
+                        norms, partial rotary, windows, soft-caps, Gemma's
+                        norms), token ids to logits, for a few new tokens in
+                        one call: threads forked once a step, not once an op,
+                        and no Python in between.
     decode_run.c        several decode steps of a steady batch in one call,
                         each sampling the tokens the next one reads: no
                         engine and no Python between the steps at all.
@@ -68,9 +70,14 @@ from radixrt.kernels.cpu.stack_model import (
     FORMAT_Q4_1,
     FORMAT_Q8_0,
     FORMATS,
+    LayerExtras,
     LayerWeights,
+    ModelExtras,
     PackedMatrix,
+    STACK_MAX_PLANS,
+    STACK_MAX_ROPES,
     PackedPart,
+    SegmentList,
     StackModel,
     StackWeights,
     TileBytes,
@@ -606,7 +613,7 @@ class ProductBalance:
 
 
 class DecodeStack:
-    """`decode_stack.c`: a whole step of a plain Llama model on packed weights (`StackWeights`),
+    """`decode_stack.c`: a whole step of a Llama-family model on packed weights (`StackWeights`),
     token ids to logits, for a few new tokens, in one call."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -614,8 +621,7 @@ class DecodeStack:
         pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._fn.argtypes = [
             ctypes.POINTER(StackModel), pointer, i64, pointer, pointer,  # model, token ids, rows, hidden, positions
-            pointer, pointer,  # out_slots, kv_indices
-            i32, pointer, pointer, pointer, pointer,  # segments: count, starts, lens, row_ptr, rows
+            pointer, pointer, pointer,  # out_slots, kv_indices, each plan's segments (SegmentList[])
             i64, pointer, pointer, i32,  # logit rows: count, rows; logits; threads
         ]
         self._fn.restype = i32
@@ -624,17 +630,18 @@ class DecodeStack:
 
     def weights(self, embedding: PackedWeight | torch.Tensor, layers: list[LayerWeights],
                 final_norm: torch.Tensor | None, head: PackedWeight | None, eps: float, heads: tuple[int, int, int],
-                intermediate: int) -> StackWeights:
+                intermediate: int, extras: ModelExtras | None = None) -> StackWeights:
         """The model handle these kernels read (`stack_model.StackWeights`, keeping the weights alive):
         `embedding` [vocab, dim] bf16 or packed (its rows dequantized as looked up), every layer's
-        norms and packed projections, and with `head` the final norm and packed LM head."""
-        return StackWeights(self.tile_bytes, embedding, layers, final_norm, head, eps, heads, intermediate)
+        norms and packed projections (and features, `LayerExtras`), with `head` the final norm and
+        packed LM head, and the model's features (`ModelExtras`; None: a plain Llama)."""
+        return StackWeights(self.tile_bytes, embedding, layers, final_norm, head, eps, heads, intermediate, extras)
 
     def __call__(
         self, weights: StackWeights, token_ids: torch.Tensor, hidden: torch.Tensor | None, k_pools: torch.Tensor,
-        v_pools: torch.Tensor, num_slots: int, scale: float, positions: torch.Tensor,
-        rope_tables: tuple[torch.Tensor, torch.Tensor], out_slots: torch.Tensor, kv_indices: torch.Tensor,
-        segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        v_pools: torch.Tensor, num_slots: int, positions: torch.Tensor,
+        rope_tables: Sequence[tuple[torch.Tensor, torch.Tensor]], out_slots: torch.Tensor, kv_indices: torch.Tensor,
+        segments: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
         logits: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """`token_ids` ([T] rows of the embedding) through every layer into `hidden` ([T, dim] bf16,
@@ -643,26 +650,31 @@ class DecodeStack:
         None (the kernel's own buffer).
 
         k_pools, v_pools: [layers] int64 addresses of [num_slots, Hkv, D] bf16 pools; rope_tables:
-        (cos, signed_sin) [P, D] bf16, row p for position p; positions: [T]; out_slots: [T], each
-        row's new K/V slot; segments: (starts, lens, row_ptr, rows) over kv_indices, as
-        `kernels.segments` builds them. Every index tensor int64 and contiguous. Raises
+        each table's (cos, signed_sin) [P, rotary_dim] bf16, row p for position p; positions: [T];
+        out_slots: [T], each row's new K/V slot; segments: for each attention plan of the model
+        (its window), (starts, lens, row_ptr, rows) over kv_indices, as `kernels.segments` builds
+        them. Every index tensor int64 and contiguous. Raises
         IndexError, computing nothing, for a slot outside the pools, a token id outside the
         embedding, a position outside the tables or a logit row outside the step.
         """
-        starts, lens, row_ptr, rows = segments
         logit_rows, out = (None, None) if logits is None else logits
-        model = weights.model(k_pools, v_pools, num_slots, scale, rope_tables, self.balance.pointer)
+        model = weights.model(k_pools, v_pools, num_slots, rope_tables, self.balance.pointer)
+        if len(segments) != model.num_plans:
+            raise ValueError(f"the layers attend {model.num_plans} plans (windows), got {len(segments)} segment lists")
+        plans = (SegmentList * len(segments))(*(
+            SegmentList(starts.numel(), starts.data_ptr(), lens.data_ptr(), row_ptr.data_ptr(), rows.data_ptr())
+            for starts, lens, row_ptr, rows in segments))  # fmt: skip
         status = self._fn(
             ctypes.byref(model), token_ids.data_ptr(), token_ids.shape[0], None if hidden is None else hidden.data_ptr(),
-            positions.data_ptr(), out_slots.data_ptr(), kv_indices.data_ptr(),
-            starts.numel(), starts.data_ptr(), lens.data_ptr(), row_ptr.data_ptr(), rows.data_ptr(),
+            positions.data_ptr(), out_slots.data_ptr(), kv_indices.data_ptr(), plans,
             0 if logit_rows is None else logit_rows.numel(), None if logit_rows is None else logit_rows.data_ptr(),
             None if out is None else out.data_ptr(), _threads(),
         )  # fmt: skip
         if status == -6:
             raise IndexError(f"a logit row outside the step's rows 0 .. {token_ids.shape[0] - 1}")
         heads = (model.num_q_heads, model.num_kv_heads, model.head_dim)
-        _raise_for_stack_status(status, "decode stack", num_slots, weights.vocab_rows, rope_tables[0].shape[0], heads)
+        table_rows = min(cos.shape[0] for cos, _ in rope_tables)
+        _raise_for_stack_status(status, "decode stack", num_slots, weights.vocab_rows, table_rows, heads)
 
 
 class RunRows(NamedTuple):
@@ -700,7 +712,7 @@ class RunOutput(NamedTuple):
 
 
 class DecodeRun:
-    """`decode_run.c`: up to k decode steps of a plain Llama model on packed weights (`StackWeights`)
+    """`decode_run.c`: up to k decode steps of a Llama-family model on packed weights (`StackWeights`)
     in one call, each sampling the tokens of the next."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -721,8 +733,8 @@ class DecodeRun:
         self.balance = ProductBalance(library)
 
     def __call__(
-        self, weights: StackWeights, k_pools: torch.Tensor, v_pools: torch.Tensor, num_slots: int, scale: float,
-        rope_tables: tuple[torch.Tensor, torch.Tensor], rows: RunRows, sampling: RunSampling, num_steps: int,
+        self, weights: StackWeights, k_pools: torch.Tensor, v_pools: torch.Tensor, num_slots: int,
+        rope_tables: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: RunRows, sampling: RunSampling, num_steps: int,
         interrupt: ctypes.c_int32 | None = None,
     ) -> RunOutput:
         """The n <= `num_steps` steps run (`RunOutput`): n stops at the first step where a row
@@ -764,7 +776,7 @@ class DecodeRun:
         top = sampling.top_logprobs
         top_tokens = torch.empty(num_steps, batch, top, dtype=torch.int64) if top else None
         top_logprobs = torch.empty(num_steps, batch, top, dtype=torch.float32) if top else None
-        model = weights.model(k_pools, v_pools, num_slots, scale, rope_tables, self.balance.pointer)
+        model = weights.model(k_pools, v_pools, num_slots, rope_tables, self.balance.pointer)
         done = self._fn(
             ctypes.byref(model), batch, rows.first_tokens.data_ptr(), rows.first_positions.data_ptr(), rows.slots.data_ptr(),
             rows.slot_starts.data_ptr(), rows.owner.data_ptr(), rows.shared_chunks.data_ptr(), rows.chunk,
@@ -782,7 +794,8 @@ class DecodeRun:
             raise failure[0]
         if done < 0:
             heads = (model.num_q_heads, model.num_kv_heads, model.head_dim)
-            _raise_for_stack_status(done, "decode run", num_slots, weights.vocab_rows, rope_tables[0].shape[0], heads)
+            table_rows = min(cos.shape[0] for cos, _ in rope_tables)
+            _raise_for_stack_status(done, "decode run", num_slots, weights.vocab_rows, table_rows, heads)
         return RunOutput(tokens[:done], logprobs[:done], None if top_tokens is None else top_tokens[:done],
                          None if top_logprobs is None else top_logprobs[:done])
 

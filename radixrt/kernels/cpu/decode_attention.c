@@ -41,7 +41,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
     const float *q, /* [G, D] float32, already scaled */
     const void *k_pool, const void *v_pool, const int64_t *slots,
     int64_t k0, int64_t k1, int h, int num_kv_heads, int head_dim, int group,
-    float *max_out, float *sum_out, float *acc /* [G, D] */, int f32
+    float *max_out, float *sum_out, float *acc /* [G, D] */, int f32, float softcap
 ) {
     float scores[MAX_GROUP * CHUNK];
     int64_t n = k1 - k0;
@@ -59,7 +59,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
             scores[g * CHUNK + j] = dot;
         }
     }
-    softmax_rows(scores, n, group, max_out, sum_out);
+    softmax_rows(scores, n, group, max_out, sum_out, softcap);
     memset(acc, 0, sizeof(float) * group * head_dim);
     for (int64_t j = 0; j < n; j++) {
         const int64_t v = (slots[k0 + j] * num_kv_heads + h) * head_dim;
@@ -191,7 +191,7 @@ static int64_t block_size(const AttentionWork *w, const int64_t *it) {
 /* One item's partial results, for bf16 (f32 = 0) or float32 (f32 = 1) data: inlined with a literal. */
 static inline __attribute__((always_inline)) void run_item_of(
     AttentionWork *w, int64_t item, const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool,
-    const int64_t *kv_indices, float scale, int f32
+    const int64_t *kv_indices, float scale, float softcap, int f32
 ) {
     const Segments *seg = &w->seg;
     const int64_t *it = w->items + 4 * item;
@@ -214,20 +214,20 @@ static inline __attribute__((always_inline)) void run_item_of(
         switch (head_dim) {
 #if RADIXRT_ISA_AVX512
         case 64:
-        case 128: radixrt_attend_chunk_avx512(qf, k_pool, v_pool, slots, k0, k1, h, hkv, head_dim, vectors, m, l, acc, f32); break;
+        case 128: radixrt_attend_chunk_avx512(qf, k_pool, v_pool, slots, k0, k1, h, hkv, head_dim, vectors, m, l, acc, f32, softcap); break;
 #else
-        case 64: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 64, vectors, m, l, acc, f32); break;
-        case 128: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 128, vectors, m, l, acc, f32); break;
+        case 64: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 64, vectors, m, l, acc, f32, softcap); break;
+        case 128: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, 128, vectors, m, l, acc, f32, softcap); break;
 #endif
-        default: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, head_dim, vectors, m, l, acc, f32);
+        default: attend_chunk(qf, k_pool, v_pool, slots, k0, k1, h, hkv, head_dim, vectors, m, l, acc, f32, softcap);
         }
     }
 }
 
 static void run_item(AttentionWork *w, int64_t item, const void *q, int64_t q_row_stride, const void *k_pool,
-                     const void *v_pool, const int64_t *kv_indices, float scale) {
-    if (w->seg.f32) run_item_of(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, 1);
-    else run_item_of(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, 0);
+                     const void *v_pool, const int64_t *kv_indices, float scale, float softcap) {
+    if (w->seg.f32) run_item_of(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, softcap, 1);
+    else run_item_of(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, softcap, 0);
 }
 
 /* Row `row`, KV head h: its partials over its segments and their chunks, in order, merged. */
@@ -292,9 +292,10 @@ static void merge_finished_rows(AttentionWork *w, int64_t item, void *out, float
 
 void radixrt_attention_run(const Team *team, AttentionWork *w, atomic_long *next_item, const void *q,
                            int64_t q_row_stride, const void *k_pool, const void *v_pool,
-                           const int64_t *kv_indices, float scale, void *out, float *lse, Prefetch *pending) {
+                           const int64_t *kv_indices, float scale, float softcap, void *out, float *lse,
+                           Prefetch *pending) {
     for (long item; (item = atomic_fetch_add_explicit(next_item, 1, memory_order_relaxed)) < w->num_items;) {
-        run_item(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale);
+        run_item(w, item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, softcap);
         merge_finished_rows(w, item, out, lse);
     }
     team_wait(team, pending);
@@ -321,7 +322,7 @@ int radixrt_segment_attention(
     #pragma omp parallel num_threads(num_threads)
     {
         Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
-        radixrt_attention_run(&team, work, &next_item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, out, lse,
+        radixrt_attention_run(&team, work, &next_item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, 0.0f, out, lse,
                               NULL);
     }
     radixrt_attention_work_free(work);

@@ -6,6 +6,7 @@
 #ifndef RADIXRT_CPU_DECODE_ATTENTION_H
 #define RADIXRT_CPU_DECODE_ATTENTION_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "kernels.h"
@@ -67,8 +68,12 @@ static inline __attribute__((always_inline)) void prefetch_ahead(
 }
 
 /* Each of the `group` rows of scores (n of CHUNK used) becomes exp(score - its max); the max
- * and the sum of the exponentials are returned. */
-static inline void softmax_rows(float *scores, int64_t n, int group, float *max_out, float *sum_out) {
+ * and the sum of the exponentials are returned. softcap > 0: each score first becomes
+ * softcap * tanh(score / softcap) (a pass of its own, so an uncapped chunk runs the loops as before). */
+static inline void softmax_rows(float *scores, int64_t n, int group, float *max_out, float *sum_out, float softcap) {
+    if (softcap > 0.0f)
+        for (int g = 0; g < group; g++)
+            for (int64_t j = 0; j < n; j++) scores[g * CHUNK + j] = softcap * tanhf(scores[g * CHUNK + j] / softcap);
     for (int g = 0; g < group; g++) {
         float *row = scores + g * CHUNK;
         float m = row[0];
@@ -90,6 +95,6 @@ static inline void softmax_rows(float *scores, int64_t n, int group, float *max_
  * per key reduced across lanes in a fixed tree. */
 void radixrt_attend_chunk_avx512(const float *q, const void *k_pool, const void *v_pool, const int64_t *slots,
                                  int64_t k0, int64_t k1, int h, int num_kv_heads, int head_dim, int group,
-                                 float *max_out, float *sum_out, float *acc, int f32);
+                                 float *max_out, float *sum_out, float *acc, int f32, float softcap);
 
 #endif

@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 v[1
 static inline __attribute__((always_inline)) void attend_chunk_wide(
     const float *q, const void *k_pool, const void *v_pool, const int64_t *slots,
     int64_t k0, int64_t k1, int h, int num_kv_heads, int W, int VB, int group,
-    float *max_out, float *sum_out, float *acc, int f32
+    float *max_out, float *sum_out, float *acc, int f32, float softcap
 ) {
     float scores[MAX_GROUP * CHUNK];
     const int head_dim = 16 * W;
@@ -93,7 +93,7 @@ static inline __attribute__((always_inline)) void attend_chunk_wide(
         key_dots(q, k_pool, (slots[k0 + j] * num_kv_heads + h) * head_dim, W, group, dots, 1, f32);
         for (int g = 0; g < group; g++) scores[g * CHUNK + j] = lane_sum(dots[g]);
     }
-    softmax_rows(scores, n, group, max_out, sum_out);
+    softmax_rows(scores, n, group, max_out, sum_out, softcap);
     for (int g0 = 0; g0 < group; g0 += VB) {
         const int nb = group - g0 < VB ? group - g0 : VB;
         __m512 out[4][8];
@@ -119,9 +119,9 @@ static inline __attribute__((always_inline)) void attend_chunk_wide(
 
 void radixrt_attend_chunk_avx512(const float *q, const void *k_pool, const void *v_pool, const int64_t *slots,
                                  int64_t k0, int64_t k1, int h, int num_kv_heads, int head_dim, int group,
-                                 float *max_out, float *sum_out, float *acc, int f32) {
+                                 float *max_out, float *sum_out, float *acc, int f32, float softcap) {
 #define WIDE(W, VB, F32) attend_chunk_wide(q, k_pool, v_pool, slots, k0, k1, h, num_kv_heads, W, VB, group, max_out, \
-                                           sum_out, acc, F32)
+                                           sum_out, acc, F32, softcap)
     if (head_dim == 64) {
         if (f32) WIDE(4, 4, 1);
         else WIDE(4, 4, 0);

@@ -10,7 +10,8 @@
  * meanwhile (`Scheduler.run_length`), the engine hands k steps to this call:
  *
  *   step s:  tokens (the caller's, then the ones step s - 1 sampled)
- *            -> radixrt_stack_step at positions p + s, K/V into the rows' next slots
+ *            -> radixrt_stack_step at positions p + s, K/V into the rows' next slots (each of the
+ *               model's attention plans, a window or none, cut into its own segments)
  *            -> per row: penalties, row stats, its top tokens if asked, then its token
  *               (argmax, or drawn at uniforms[s])
  *            -> stop after this step when a row drew one of its stop tokens or the
@@ -38,12 +39,14 @@ typedef struct {
 } SegmentPlan;
 
 /*
- * Row r attends keys 0 .. positions[r] of its slots, which begin at slot_starts[r] in the
- * slot list: whole chunks k (from the owner's slots while k < shared_chunks[r]), then the
- * tail. Round k lists every row's piece k; rows with the same piece share one segment.
+ * Row r attends keys lo .. positions[r] of its slots (lo = 0, or positions[r] - window + 1 with a
+ * window), which begin at slot_starts[r] in the slot list, cut at the multiples of `chunk`: piece
+ * k is the row's keys in [k * chunk, (k + 1) * chunk), a whole chunk read from the owner's slots
+ * while k < shared_chunks[r], else from the row's own. Round k lists every row's piece k; rows
+ * with the same piece share one segment (`aligned_attention_segments`' pieces, in its order).
  */
 static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positions, const int64_t *slot_starts,
-                         const int64_t *owner, const int64_t *shared_chunks, int64_t chunk) {
+                         const int64_t *owner, const int64_t *shared_chunks, int64_t chunk, int64_t window) {
     int64_t rounds = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pieces = (positions[r] + 1 + chunk - 1) / chunk;
@@ -55,19 +58,14 @@ static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positio
     for (int64_t k = 0; k < rounds; k++) {
         int64_t entries = 0;
         for (int64_t r = 0; r < rows; r++) {
-            const int64_t keys = positions[r] + 1, whole = keys / chunk;
-            int64_t start, len;
-            if (k < whole) {
-                start = slot_starts[k < shared_chunks[r] ? owner[r] : r] + k * chunk;
-                len = chunk;
-            } else if (k == whole && keys % chunk) {
-                start = slot_starts[r] + k * chunk;
-                len = keys - k * chunk;
-            } else {
-                continue;
-            }
+            const int64_t keys = positions[r] + 1, lo = window > 0 && keys > window ? keys - window : 0;
+            const int64_t first = lo > k * chunk ? lo : k * chunk;
+            const int64_t end = keys < (k + 1) * chunk ? keys : (k + 1) * chunk;
+            if (first >= end) continue;
+            int64_t start = slot_starts[r] + first;
+            if (end - first == chunk && k < shared_chunks[r]) start = slot_starts[owner[r]] + first;
             plan->entry_start[entries] = start;
-            plan->entry_len[entries] = len;
+            plan->entry_len[entries] = end - first;
             plan->entry_row[entries] = r;
             plan->grouped[entries++] = 0;
         }
@@ -86,6 +84,27 @@ static int plan_segments(SegmentPlan *plan, int64_t rows, const int64_t *positio
         }
     }
     return count;
+}
+
+static void plan_free(SegmentPlan *plan) {
+    free(plan->starts);
+    free(plan->lens);
+    free(plan->row_ptr);
+    free(plan->rows);
+    free(plan->entry_start);
+    free(plan->entry_len);
+    free(plan->entry_row);
+    free(plan->grouped);
+}
+
+static int plan_alloc(SegmentPlan *plan, int64_t max_pieces, int64_t rows) {
+    *plan = (SegmentPlan){
+        malloc(sizeof(int64_t) * max_pieces), malloc(sizeof(int64_t) * max_pieces),
+        malloc(sizeof(int64_t) * (max_pieces + 1)), malloc(sizeof(int64_t) * max_pieces),
+        malloc(sizeof(int64_t) * rows), malloc(sizeof(int64_t) * rows), malloc(sizeof(int64_t) * rows), malloc(rows),
+    };
+    return plan->starts && plan->lens && plan->row_ptr && plan->rows && plan->entry_start && plan->entry_len &&
+           plan->entry_row && plan->grouped;
 }
 
 /*
@@ -124,7 +143,10 @@ int radixrt_decode_run_bf16(
     const StackModel model = *m;
     const int num_layers = model.num_layers, num_q_heads = model.num_q_heads, num_kv_heads = model.num_kv_heads;
     const int head_dim = model.head_dim;
-    const int64_t num_slots = model.num_slots, table_rows = model.table_rows;
+    const int64_t num_slots = model.num_slots;
+    int64_t table_rows = INT64_MAX;
+    for (int t = 0; t < model.num_ropes && t < STACK_MAX_ROPES; t++)
+        table_rows = model.ropes[t].rows < table_rows ? model.ropes[t].rows : table_rows;
     const int64_t vocab = model.embedding == NULL ? 0 : radixrt_matrix_rows(model.embedding);
     const int64_t head_rows = model.head == NULL ? 0 : radixrt_matrix_rows(model.head);
     if (radixrt_stack_model_check(&model) || model.head == NULL || head_rows > vocab || rows < 1 || num_steps < 1 ||
@@ -145,11 +167,9 @@ int radixrt_decode_run_bf16(
     }
     const int64_t max_pieces = rows * ((last_position + 1 + chunk - 1) / chunk);
     const int64_t num_blocks = (head_rows + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
-    SegmentPlan plan = {
-        malloc(sizeof(int64_t) * max_pieces), malloc(sizeof(int64_t) * max_pieces),
-        malloc(sizeof(int64_t) * (max_pieces + 1)), malloc(sizeof(int64_t) * max_pieces),
-        malloc(sizeof(int64_t) * rows), malloc(sizeof(int64_t) * rows), malloc(sizeof(int64_t) * rows), malloc(rows),
-    };
+    SegmentPlan plans[STACK_MAX_PLANS];
+    int planned = 1;
+    for (int p = 0; p < model.num_plans; p++) planned &= plan_alloc(&plans[p], max_pieces, rows);
     int64_t *current = malloc(sizeof(int64_t) * rows * 3);  /* this step's tokens, positions, out slots */
     float *logits = malloc(sizeof(float) * rows * head_rows);
     float *sample_scratch = malloc(sizeof(float) * (head_rows + num_blocks) * num_threads);
@@ -157,17 +177,15 @@ int radixrt_decode_run_bf16(
     StackBuffers *buffers = radixrt_stack_buffers_new(&model, rows, rows, 1, num_threads);
     int64_t *logit_rows = malloc(sizeof(int64_t) * rows);
     int done = -2;
-    if (plan.starts && plan.lens && plan.row_ptr && plan.rows && plan.entry_start && plan.entry_len &&
-        plan.entry_row && plan.grouped && current && logits && sample_scratch && next_items && buffers &&
-        logit_rows) {
+    if (planned && current && logits && sample_scratch && next_items && buffers && logit_rows) {
         int64_t *step_tokens = current, *positions = current + rows, *out_slots = current + 2 * rows;
         for (int64_t r = 0; r < rows; r++) {
             step_tokens[r] = first_tokens[r];
             logit_rows[r] = r;
         }
-        Segments seg = {0, plan.starts, plan.lens, plan.row_ptr, plan.rows, num_q_heads, num_kv_heads, head_dim, 0};
-        StackStep step = {rows, step_tokens, positions, out_slots, slots, NULL, next_items, NULL, rows, logit_rows,
+        StackStep step = {rows, step_tokens, positions, out_slots, slots, {NULL}, next_items, NULL, rows, logit_rows,
                           logits};
+        int step_planned = 1;
         SpinBarrier barrier = {0, 0};
         atomic_int stopped = 0;
         done = 0;
@@ -182,14 +200,21 @@ int radixrt_decode_run_bf16(
                         positions[r] = first_positions[r] + s;
                         out_slots[r] = slots[slot_starts[r] + positions[r]];
                     }
-                    seg.num_segments = plan_segments(&plan, rows, positions, slot_starts, owner, shared_chunks,
-                                                     chunk);
-                    radixrt_attention_work_free(step.work);
-                    step.work = radixrt_attention_work_new(&seg, team.threads);
+                    step_planned = 1;
+                    for (int p = 0; p < model.num_plans; p++) {
+                        SegmentPlan *plan = &plans[p];
+                        const int count = plan_segments(plan, rows, positions, slot_starts, owner, shared_chunks,
+                                                        chunk, model.windows[p]);
+                        Segments seg = {count, plan->starts, plan->lens, plan->row_ptr, plan->rows, num_q_heads,
+                                        num_kv_heads, head_dim, 0};
+                        radixrt_attention_work_free(step.works[p]);
+                        step.works[p] = radixrt_attention_work_new(&seg, team.threads);
+                        step_planned &= step.works[p] != NULL;
+                    }
                     for (int i = 0; i < num_layers; i++) atomic_store(&next_items[i], 0);
                 }
                 team_barrier(&team);
-                if (step.work == NULL) break;  /* every thread sees it: no memory for this step */
+                if (!step_planned) break;  /* every thread sees it: no memory for this step */
                 radixrt_stack_step(&team, &model, &step, buffers);
                 team_barrier(&team);
                 int64_t first, last;
@@ -235,17 +260,10 @@ int radixrt_decode_run_bf16(
                 if (atomic_load(&stopped)) break;
             }
         }
-        radixrt_attention_work_free(step.work);
+        for (int p = 0; p < model.num_plans; p++) radixrt_attention_work_free(step.works[p]);
         if (done == 0) done = -2;
     }
-    free(plan.starts);
-    free(plan.lens);
-    free(plan.row_ptr);
-    free(plan.rows);
-    free(plan.entry_start);
-    free(plan.entry_len);
-    free(plan.entry_row);
-    free(plan.grouped);
+    for (int p = 0; p < model.num_plans; p++) plan_free(&plans[p]);
     free(current);
     free(logits);
     free(sample_scratch);

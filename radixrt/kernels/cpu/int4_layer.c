@@ -36,11 +36,42 @@ void radixrt_silu_times(const uint16_t *gate, const uint16_t *up, uint16_t *out,
     }
 }
 
+/* out = gelu_tanh(gate) * up (GeGLU, "gelu_pytorch_tanh"): the activation in float32 rounded to
+ * bf16, then the product rounded, as torch's ops do; tanhf is libm's, so an element can differ
+ * from torch's vectorized tanh by one bf16 step at a rounding boundary. */
+void radixrt_gelu_tanh_times(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;  /* sqrt(2 / pi) */
+    for (int64_t i = 0; i < n; i++) {
+        float g = bf16_to_float(gate[i]);
+        float gelu = round_bf16(0.5f * g * (1.0f + tanhf(beta * (g + kappa * g * g * g))));
+        out[i] = float_to_bf16(gelu * bf16_to_float(up[i]));
+    }
+}
+
+/* Gemma's RMSNorm (radixrt/model/gemma.py): the row in float32 times rsqrt(mean square + eps) and
+ * (1 + weight), rounded once to bf16; y may be x (the row is read whole before it is written). */
+void radixrt_gemma_norm_row(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t dim, float eps) {
+    float squares = 0.0f;
+    #pragma omp simd reduction(+:squares)
+    for (int64_t i = 0; i < dim; i++) squares += bf16_to_float(x[i]) * bf16_to_float(x[i]);
+    const float inv_rms = 1.0f / sqrtf(squares / (float)dim + eps);
+    #pragma omp simd
+    for (int64_t i = 0; i < dim; i++)
+        y[i] = float_to_bf16(bf16_to_float(x[i]) * inv_rms * (1.0f + bf16_to_float(weight[i])));
+}
+
 /* RoPE on a row's first `heads` heads: torch's `x * cos + flip_halves(x) * signed_sin`, each
  * product and the sum rounded to bf16. cos, signed_sin: the row's [head_dim] tables. */
 void radixrt_rope_row(uint16_t *heads_row, int64_t heads, int64_t head_dim, const uint16_t *cos,
                       const uint16_t *signed_sin) {
-    const int64_t half = head_dim / 2;
+    radixrt_rope_row_partial(heads_row, heads, head_dim, head_dim, cos, signed_sin);
+}
+
+/* RoPE on the first rotary_dim dims of each head (cos, signed_sin: [rotary_dim]); the rest of the
+ * head passes through, as `RotaryEmbedding.apply` does with a partial rotary factor. */
+void radixrt_rope_row_partial(uint16_t *heads_row, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                              const uint16_t *cos, const uint16_t *signed_sin) {
+    const int64_t half = rotary_dim / 2;
     for (int64_t h = 0; h < heads; h++) {
         uint16_t *x = heads_row + h * head_dim;
         #pragma omp simd

@@ -101,10 +101,17 @@ void radixrt_rms_norm_bf16(uint16_t *hidden, const uint16_t *residual, const uin
 void radixrt_rms_norm_row(uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *y, int64_t dim,
                           float eps);
 
-/* int4_layer.c: out = silu(gate) * up; RoPE on `heads` heads of one row (bf16 roundings of the torch layer) */
+/* int4_layer.c: out = silu(gate) * up, or gelu_tanh(gate) * up; RoPE on the first rotary_dim dims of each
+ * of `heads` heads of one row (cos, signed_sin: [rotary_dim]); bf16 roundings of the torch layer */
 void radixrt_silu_times(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n);
+void radixrt_gelu_tanh_times(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n);
 void radixrt_rope_row(uint16_t *heads_row, int64_t heads, int64_t head_dim, const uint16_t *cos,
                       const uint16_t *signed_sin);
+void radixrt_rope_row_partial(uint16_t *heads_row, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                              const uint16_t *cos, const uint16_t *signed_sin);
+/* int4_layer.c: Gemma's RMSNorm of one row: x * rsqrt(mean(x^2) + eps) * (1 + weight) in float32, rounded
+ * once to bf16 (y may be x) */
+void radixrt_gemma_norm_row(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t dim, float eps);
 
 /*
  * quantized_matmul.c: out[r] = x[r] @ w.T for r < m (bf16 when out_bf16 is not NULL, else fp32),
@@ -227,21 +234,42 @@ void radixrt_attention_work_free(AttentionWork *work);
  * is not NULL, lse[row] ([*, Hq] float32, natural log) for each listed row. q rows [*, Hq, D],
  * head stride D; pools [slots, Hkv, D]. next_item: zero, shared by the team; the work items
  * are taken from it in turn (the last chunk of each segment is shorter). pending (may be NULL):
- * requested while the thread waits at the run's barriers (team_wait).
+ * requested while the thread waits at the run's barriers (team_wait). softcap > 0: each score
+ * (q * scale) . k becomes softcap * tanh(score / softcap) before the softmax (Gemma 2); 0: none.
  */
 void radixrt_attention_run(const Team *team, AttentionWork *work, atomic_long *next_item, const void *q,
                            int64_t q_row_stride, const void *k_pool, const void *v_pool,
-                           const int64_t *kv_indices, float scale, void *out, float *lse, Prefetch *pending);
+                           const int64_t *kv_indices, float scale, float softcap, void *out, float *lse,
+                           Prefetch *pending);
 
 /*
- * decode_stack.c: a plain Llama model on packed quantized weights as the whole-step kernels read
+ * decode_stack.c: a Llama-family model on packed quantized weights as the whole-step kernels read
  * it, and one step of it run by every thread of a team (decode_run.c runs several in a row).
+ * A plain Llama layer is the four products, two norms, SwiGLU and full rotary; what other
+ * families add is in optional fields, each NULL or 0 when absent and looked at once a phase, never
+ * inside a loop over a row's elements.
  */
+#define STACK_MAX_PLANS 2  /* distinct attention plans (windows) of a model's layers: full and one window */
+#define STACK_MAX_ROPES 2  /* rope tables: one, or Gemma 3's global and local ones */
+
 /* A layer's weights as the stack reads them. */
 typedef struct {
     const uint16_t *input_norm, *post_norm;  /* [dim] bf16 */
     PackedMatrix qkv, o, gate_up, down;
+    const uint16_t *qkv_bias, *o_bias;  /* [qkv rows], [dim] bf16, added to the product's bf16 output */
+    const uint16_t *q_norm, *k_norm;  /* [head_dim] bf16: RMSNorm of each q and k head before RoPE */
+    /* Gemma: post_norm normalizes the attention output before the residual add; these around the MLP */
+    const uint16_t *pre_ff_norm, *post_ff_norm;
+    int rope;  /* which of the model's rope tables the layer rotates with */
+    int plan;  /* which of the step's attention plans (segments: its window) it attends */
+    float scale;  /* softmax scale */
+    float softcap;  /* attention scores capped at softcap * tanh(score / softcap); 0: none */
 } StackLayer;
+
+typedef struct {
+    const uint16_t *cos, *signed_sin;  /* [rows, rotary_dim] bf16 */
+    int64_t rows;
+} RopeTable;
 
 typedef struct {
     const PackedMatrix *embedding;   /* [vocab, dim], rows dequantized to bf16 as looked up (dense: FORMAT_BF16) */
@@ -249,30 +277,42 @@ typedef struct {
     const StackLayer *layers;        /* [num_layers] */
     const int64_t *k_pools, *v_pools;  /* [num_layers] addresses of [num_slots, Hkv, D] bf16 pools */
     int64_t num_slots;
-    float eps, scale;
+    float eps;
     int num_q_heads, num_kv_heads, head_dim;
     int64_t dim, intermediate;
-    const uint16_t *cos, *signed_sin;  /* [table_rows, head_dim] bf16 */
-    int64_t table_rows;
+    int num_ropes;
+    RopeTable ropes[STACK_MAX_ROPES];
+    int64_t rotary_dim;  /* the leading dims of each head that rotate (head_dim: all) */
+    int num_plans;
+    int64_t windows[STACK_MAX_PLANS];  /* plan p's sliding window (0: full attention), for decode runs */
     const uint16_t *final_norm;  /* NULL with head */
     const PackedMatrix *head;    /* the LM head; NULL: no logits */
     ProductBalance *balance;     /* the caller's, learnt on from step to step; NULL: equal shares */
+    int gemma;  /* Gemma's arithmetic: every norm radixrt_gemma_norm_row, GELU-tanh instead of SiLU */
+    uint16_t embedding_scale;  /* bf16 the looked-up rows are multiplied by (Gemma); 0: none */
+    float final_softcap;  /* logits capped at final_softcap * tanh(logit / final_softcap); 0: none */
 } StackModel;
 
 /* One step's rows: row r is token token_ids[r] at positions[r], its K/V stored at out_slots[r];
- * attention as `work` plans it over kv_indices (next_items: one zeroed counter a layer); logits
- * [num_logit_rows, head rows] of the normed rows logit_rows; hidden: [rows, dim] or NULL (the
- * buffers' own). */
+ * each layer attends as works[its plan] plans it over kv_indices (next_items: one zeroed counter
+ * a layer); logits [num_logit_rows, head rows] of the normed rows logit_rows; hidden: [rows, dim]
+ * or NULL (the buffers' own). */
 typedef struct {
     int64_t rows;
     const int64_t *token_ids, *positions, *out_slots, *kv_indices;
-    AttentionWork *work;
+    AttentionWork *works[STACK_MAX_PLANS];
     atomic_long *next_items;
     uint16_t *hidden;
     int64_t num_logit_rows;
     const int64_t *logit_rows;
     float *logits;
 } StackStep;
+
+/* One attention plan's segments (kernels.h, Segments) over a step's kv_indices. */
+typedef struct {
+    int num_segments;
+    const int64_t *starts, *lens, *row_ptr, *rows;
+} SegmentList;
 
 typedef struct StackBuffers StackBuffers;  /* a step's activations and each thread's scratch */
 
