@@ -1,0 +1,162 @@
+"""Every family on the whole-step kernel (kernels/cpu/decode_stack.c, decode_run.c).
+
+Each family is a tiny random-weight checkpoint (tests/test_model_families.py's factory) loaded in
+bf16 with `quantize="q8_0"`: packed projections and head, as a GGUF's, so the whole-step kernel
+applies. For each: the model takes the kernel; its logits agree with the per-layer path over the
+same packed weights (bit for bit where the arithmetic is the same: decodes of the families whose
+layers the kernel computes op for op as the torch layer rounds them; else within a tolerance);
+deterministic steps are batch-invariant; a decode run equals as many single steps.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from radixrt.kernels import cpu
+from radixrt.model.llama import LlamaForCausalLM, StackedStep
+from radixrt.model.loader import load_model
+from radixrt.sampling.params import SamplingParams
+from radixrt.sampling.sampler import run_sampling
+from tests.conftest import _CONFIG_CLASSES, TINY_VOCAB, randomize_weights
+from tests.test_decode_run import deterministic_runner, sequences, step_by_step
+from tests.test_decode_stack import both_paths, filled_runner, make_batch
+from tests.test_deterministic import Sequence, differences
+from tests.test_model_families import FAMILIES
+
+STACK_FAMILIES = ["llama-llama3", "mistral-window", "qwen2-window", "qwen3", "qwen3-bias-tied", "phi3-longrope-partial",
+                  "gemma2", "gemma3"]  # fmt: skip
+# Families whose decodes the kernel computes op for op as the per-layer path does (its norms, biases,
+# q/k norms, partial RoPE and attention in the same roundings; the windows here stay inside one
+# 256-key chunk, where the kernel's aligned pieces are the layer path's one piece). Gemma's norms,
+# GELU-tanh and caps reduce in another order than torch's or use libm's tanhf: within TOLERANCE.
+EXACT = {"llama-llama3", "mistral-window", "qwen2-window", "qwen3", "qwen3-bias-tied", "phi3-longrope-partial"}
+# |stack - layers| <= TOLERANCE * max(1, max |layers|): bf16 differences of one step, grown through
+# two random layers
+TOLERANCE = 0.05
+
+
+def longest_context(name: str) -> int:
+    """Positions within the family's trained length (Phi-4-mini's longrope: 128)."""
+    return 100 if name == "phi3-longrope-partial" else 300
+
+
+@pytest.fixture(scope="module", params=STACK_FAMILIES)
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           tiny_tokenizer: transformers.PreTrainedTokenizerBase) -> tuple[str, LlamaForCausalLM]:
+    """(name, the family's tiny model in bf16 with Q8_0 projections and head)."""
+    if cpu.decode_stack() is None:
+        pytest.skip("no C compiler or no AVX512-BF16 on this CPU: no quantized kernels")
+    name = request.param
+    architecture, overrides = FAMILIES[name]
+    kwargs = dict(vocab_size=TINY_VOCAB, num_hidden_layers=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(_CONFIG_CLASSES[architecture](**kwargs),
+                                                             dtype=torch.float32)  # fmt: skip
+    randomize_weights(hf_model, seed=0)
+    folder: Path = tmp_path_factory.mktemp(name)
+    hf_model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return name, load_model(folder, dtype="bfloat16", quantize="q8_0").model
+
+
+def test_the_family_runs_on_the_whole_step_kernel(family):
+    name, model = family
+    batch, num_slots = make_batch([(40, 1), (12, 3)], shared=0, seed=0)
+    runner = filled_runner(model, num_slots, seed=0)
+    assert model._stack is not None, f"{name}: every layer in the whole-step kernel"
+    assert isinstance(model.plan_attention(batch, runner.backend), StackedStep)
+    assert model.deterministic_problem(runner.backend) is None
+    assert model.runs_decodes(runner.backend)
+    config = model.config
+    windows = {config.layer_window(i) for i in range(config.num_layers)}
+    assert set(model._stack.windows) == windows
+
+
+def agreement(stacked: torch.Tensor, layered: torch.Tensor) -> float:
+    return float((stacked - layered).abs().max() / max(1.0, float(layered.abs().max())))
+
+
+def test_decodes_agree_with_the_layer_path(family):
+    """Decodes over several 256-key chunks and past the windows: bit for bit for the EXACT
+    families, the same K/V written."""
+    name, model = family
+    longest = longest_context(name)
+    batch, num_slots = make_batch([(longest - 7, 1), (5, 1), (0, 1), (longest // 2, 1)], shared=0, seed=1)
+    (stacked, stacked_k), (layered, layered_k) = both_paths(model, batch, num_slots, seed=1)
+    if name in EXACT:
+        assert torch.equal(stacked, layered)
+        assert all(torch.equal(a, b) for a, b in zip(stacked_k, layered_k))
+    else:
+        assert agreement(stacked, layered) <= TOLERANCE
+
+
+def test_mixed_steps_with_shared_prefixes_agree_with_the_layer_path(family):
+    """Extends and decodes in one step, a shared prefix read once: the layer path attends the
+    extends through SDPA, in another order, so within the tolerance."""
+    name, model = family
+    longest = longest_context(name)
+    specs = [(longest - 20, 1), (longest - 40, 4), (24, 1), (30, 6)]
+    batch, num_slots = make_batch(specs, shared=20, seed=2)
+    (stacked, stacked_k), (layered, layered_k) = both_paths(model, batch, num_slots, seed=2)
+    assert agreement(stacked, layered) <= TOLERANCE
+    for a, b in zip(stacked_k, layered_k):
+        assert agreement(a.float(), b.float()) <= TOLERANCE
+
+
+def test_deterministic_steps_are_batch_invariant(family):
+    """A prompt in chunks, then two sequences sharing it, against each prompt alone: every
+    token's logits bit for bit."""
+    name, model = family
+    length = longest_context(name)
+    rng = random.Random(0)
+    shared = [rng.randrange(TINY_VOCAB) for _ in range(length)]
+    own_slots = torch.arange(length + 3, length + 5)
+    prompts = [Sequence(shared + [5, 6, 7], torch.arange(length + 3), length, True),
+               Sequence(shared + [8, 9], torch.cat([torch.arange(length), own_slots]), length, False)]
+    steps = [[(0, 0, 37)], [(0, 37, length)], [(0, length, length + 3), (1, length, length + 2)]]
+    assert differences(model, prompts, steps, deterministic=True) == 0
+
+
+def test_a_decode_run_equals_as_many_single_steps(family):
+    """Greedy and sampled rows, a shared prefix, contexts crossing a 256-key chunk and the windows
+    during the run: tokens and log-probabilities bit for bit, the same K/V written."""
+    name, model = family
+    steps = 6
+    contexts = [98, 20, 50] if longest_context(name) < 256 else [253, 20, 290]
+    slots, num_slots = sequences(contexts, 16, steps, seed=3)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=5),
+              SamplingParams(temperature=0, top_logprobs_num=3)]  # fmt: skip
+    seeds, tokens, stops = [1, 12, 23], [3, 10, 17], [[], [], []]
+    reference = deterministic_runner(model, num_slots)
+    want_tokens, want_logprobs, _ = step_by_step(reference, tokens, contexts, slots, params, seeds, stops, steps)
+    runner = deterministic_runner(model, num_slots)
+    sampling = run_sampling(params, seeds, [[], [], []], [[], [], []], stops, steps, TINY_VOCAB)
+    out = runner.decode_run(tokens, contexts, slots, sampling, steps)
+    assert torch.equal(out.tokens, want_tokens)
+    assert torch.equal(out.logprobs, want_logprobs)
+    assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.k, reference.kv_cache.k))
+
+
+def test_the_final_soft_cap_is_applied_to_the_kernels_logits(family):
+    """Gemma 2's logits out of the kernel are capped as `compute_logits` caps the hidden states'."""
+    name, model = family
+    cap = model.config.final_logit_softcapping
+    if cap is None:
+        pytest.skip(f"{name} has no final logit cap")
+    batch, num_slots = make_batch([(30, 1), (8, 1)], shared=0, seed=4)
+    runner = filled_runner(model, num_slots, seed=4)
+    logits = model.logits(batch, runner.backend, model.plan_attention(batch, runner.backend),
+                          torch.arange(batch.num_tokens))  # fmt: skip
+    other = filled_runner(model, num_slots, seed=4)
+    hidden = model.forward(batch, other.backend, model.plan_attention(batch, other.backend))
+    uncapped = model._lm_head(hidden).float()
+    assert float(uncapped.abs().max()) > cap, "the cap changes these logits"
+    assert float(logits.abs().max()) < cap
+    assert agreement(logits, model.compute_logits(hidden)) <= TOLERANCE
