@@ -18,7 +18,9 @@ import torch
 import transformers
 
 from radixrt.kernels import cpu
+from radixrt.memory import huge_pages
 from radixrt.model.llama import LlamaForCausalLM, StackedStep
+from radixrt.model.gguf_int4 import NativeWeights
 from radixrt.model.loader import load_model
 from radixrt.sampling.params import SamplingParams
 from radixrt.sampling.sampler import run_sampling
@@ -26,7 +28,9 @@ from tests.conftest import _CONFIG_CLASSES, TINY_VOCAB, randomize_weights
 from tests.test_decode_run import deterministic_runner, sequences, step_by_step
 from tests.test_decode_stack import both_paths, filled_runner, make_batch
 from tests.test_deterministic import Sequence, differences
+from tests.test_model import prepacked
 from tests.test_model_families import FAMILIES
+from tests.test_native_weights import random_int4, random_int8
 
 STACK_FAMILIES = ["llama-llama3", "mistral-window", "qwen2-window", "qwen3", "qwen3-bias-tied", "phi3-longrope-partial",
                   "gemma2", "gemma3"]  # fmt: skip
@@ -160,3 +164,35 @@ def test_the_final_soft_cap_is_applied_to_the_kernels_logits(family):
     assert float(uncapped.abs().max()) > cap, "the cap changes these logits"
     assert float(logits.abs().max()) < cap
     assert agreement(logits, model.compute_logits(hidden)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["qwen2-window", "gemma3"])
+def test_native_weights_of_a_family_lie_side_by_side_and_run_on_the_kernel(name, make_tiny_hf_model):
+    """A family on native 4-bit weights (as a GGUF file gives them): its packed weights moved into
+    one buffer in the order a step reads them, the kernel reading those copies, its decodes as the
+    layer path's (biases kept on the moved weights)."""
+    if cpu.decode_stack() is None:
+        pytest.skip("no C compiler or no AVX512-BF16 on this CPU: no quantized kernels")
+    architecture, overrides = FAMILIES[name]
+    model = prepacked(make_tiny_hf_model(architecture, **overrides), torch.bfloat16)
+    shapes = model._decoder_layers()[0].projection_shapes()
+    layers = [{part: random_int4(*shape, seed=10 * i + j) for j, (part, shape) in enumerate(shapes.items())}
+              for i in range(model.config.num_layers)]  # fmt: skip
+    model.use_int4_projections(NativeWeights(layers, random_int8(TINY_VOCAB, model.config.hidden_size, seed=99)))
+    assert model._stack is not None
+    packed = [weight for layer in model._decoder_layers() for weight in layer.stack_steps.packed_weights()]
+    at = packed[0].data.data_ptr()
+    for weight in packed:
+        assert weight.data.data_ptr() == at
+        at += -(-weight.data.numel() // huge_pages.ALIGNMENT) * huge_pages.ALIGNMENT
+    handle = model._stack.weights(model._embedding_table())
+    for i, layer in enumerate(model._decoder_layers()):
+        steps = layer.stack_steps
+        assert [handle.layer_addresses(i)[j] for j in (1, 2, 4, 5)] == [w.data.data_ptr() for w in steps.packed_weights()]
+        assert layer.qkv.weight.data.data_ptr() == steps.qkv.data.data_ptr() and layer.qkv.bias is layer.qkv_bias
+    batch, num_slots = make_batch([(70, 1), (5, 1), (30, 1)], shared=0, seed=6)
+    (stacked, _), (layered, _) = both_paths(model, batch, num_slots, seed=6)
+    if name in EXACT:
+        assert torch.equal(stacked, layered)
+    else:
+        assert agreement(stacked, layered) <= TOLERANCE

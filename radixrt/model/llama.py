@@ -233,6 +233,18 @@ class LlamaDecoderLayer(nn.Module):
         self.kernel_projections = len(weights) == len(shapes) and all(
             isinstance(w, cpu.PackedWeight) or linear.runs_own_kernel(w.shape, dtype) for w in weights.values())
 
+    def use_packed_steps(self, steps: Int4LayerSteps) -> None:
+        """`steps` (the layer's own, its packed weights moved) in place of the layer's: its C steps
+        where it has them, else its projections over those weights, biases kept."""
+        if self.int4_steps is not None:
+            self.use_int4_steps(steps)
+            return
+        self.stack_steps = steps
+        self.packed_projections = dict(zip(("qkv", "o", "gate_up", "down"), steps.packed_weights()))
+        self.qkv, self.o, self.gate_up, self.down = (
+            linear.packed(packed, bias) for packed, bias in zip(steps.packed_weights(), (self.qkv_bias, self.o_bias,
+                                                                                          None, None)))  # fmt: skip
+
     def use_int4_steps(self, steps: Int4LayerSteps) -> None:
         """Run small steps in `steps`' two C calls, and larger ones through the same packed
         weights one projection at a time (no dense copy of them exists)."""
@@ -427,14 +439,14 @@ class LlamaForCausalLM(nn.Module):
         huge pages, in the order a step reads them (`memory.huge_pages`: fewer TLB misses a
         step; docs/benchmarks.md, "Huge pages for the packed weights")."""
         layers = self._decoder_layers()
-        steps = [layer.int4_steps for layer in layers if layer.int4_steps is not None]
+        steps = [layer.stack_steps for layer in layers if layer.stack_steps is not None]
         if len(steps) != len(layers):
             return
         head = self._invariant_lm_head if isinstance(self._invariant_lm_head, linear.PackedLMHead) else None
         weights = [packed.data for layer_steps in steps for packed in layer_steps.packed_weights()]
         copies = iter(huge_pages.side_by_side(weights + ([head.packed.data] if head is not None else [])))
         for layer, layer_steps in zip(layers, steps):
-            layer.use_int4_steps(layer_steps.with_packed_data(copies))
+            layer.use_packed_steps(layer_steps.with_packed_data(copies))
         if head is not None:
             head.packed = head.packed._replace(data=next(copies))
 
