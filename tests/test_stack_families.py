@@ -19,7 +19,8 @@ import transformers
 
 from radixrt.kernels import cpu
 from radixrt.memory import huge_pages
-from radixrt.model.llama import LlamaForCausalLM, StackedStep
+from radixrt.model.executors import WholeStep
+from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.gguf_int4 import NativeWeights
 from radixrt.model.loader import load_model
 from radixrt.sampling.params import SamplingParams
@@ -74,13 +75,12 @@ def test_the_family_runs_on_the_whole_step_kernel(family):
     name, model = family
     batch, num_slots = make_batch([(40, 1), (12, 3)], shared=0, seed=0)
     runner = filled_runner(model, num_slots, seed=0)
-    assert model._stack is not None, f"{name}: every layer in the whole-step kernel"
-    assert isinstance(model.plan_attention(batch, runner.backend), StackedStep)
+    assert isinstance(runner.executor(batch), WholeStep), f"{name}: every layer in the whole-step kernel"
     assert model.deterministic_problem(runner.backend) is None
-    assert model.runs_decodes(runner.backend)
+    assert deterministic_runner(model, num_slots).runs_decodes
     config = model.config
     windows = {config.layer_window(i) for i in range(config.num_layers)}
-    assert set(model._stack.windows) == windows
+    assert runner.whole_step is not None and set(runner.whole_step.stack.windows) == windows
 
 
 def agreement(stacked: torch.Tensor, layered: torch.Tensor) -> float:
@@ -155,11 +155,13 @@ def test_the_final_soft_cap_is_applied_to_the_kernels_logits(family):
     if cap is None:
         pytest.skip(f"{name} has no final logit cap")
     batch, num_slots = make_batch([(30, 1), (8, 1)], shared=0, seed=4)
-    runner = filled_runner(model, num_slots, seed=4)
-    logits = model.logits(batch, runner.backend, model.plan_attention(batch, runner.backend),
-                          torch.arange(batch.num_tokens))  # fmt: skip
+    logits = filled_runner(model, num_slots, seed=4).forward(batch)
     other = filled_runner(model, num_slots, seed=4)
-    hidden = model.forward(batch, other.backend, model.plan_attention(batch, other.backend))
+    whole_step = other.whole_step
+    assert whole_step is not None
+    hidden = whole_step.stack.hidden_states(model.embedding_table(), model.rope_tables(max(batch.seq_lens)), batch,
+                                            other.kv_cache, whole_step.plan(batch))  # fmt: skip
+    hidden = model.final_norm(hidden)
     uncapped = model._lm_head(hidden).float()
     assert float(uncapped.abs().max()) > cap, "the cap changes these logits"
     assert float(logits.abs().max()) < cap
@@ -175,18 +177,19 @@ def test_native_weights_of_a_family_lie_side_by_side_and_run_on_the_kernel(name,
         pytest.skip("no C compiler or no AVX512-BF16 on this CPU: no quantized kernels")
     architecture, overrides = FAMILIES[name]
     model = prepacked(make_tiny_hf_model(architecture, **overrides), torch.bfloat16)
-    shapes = model._decoder_layers()[0].projection_shapes()
+    shapes = model.decoder_layers()[0].projection_shapes()
     layers = [{part: random_int4(*shape, seed=10 * i + j) for j, (part, shape) in enumerate(shapes.items())}
               for i in range(model.config.num_layers)]  # fmt: skip
     model.use_int4_projections(NativeWeights(layers, random_int8(TINY_VOCAB, model.config.hidden_size, seed=99)))
-    assert model._stack is not None
-    packed = [weight for layer in model._decoder_layers() for weight in layer.stack_steps.packed_weights()]
+    stack = WholeStep.stack_for(model)
+    assert stack is not None
+    packed = [weight for layer in model.decoder_layers() for weight in layer.stack_steps.packed_weights()]
     at = packed[0].data.data_ptr()
     for weight in packed:
         assert weight.data.data_ptr() == at
         at += -(-weight.data.numel() // huge_pages.ALIGNMENT) * huge_pages.ALIGNMENT
-    handle = model._stack.weights(model._embedding_table())
-    for i, layer in enumerate(model._decoder_layers()):
+    handle = stack.weights(model.embedding_table())
+    for i, layer in enumerate(model.decoder_layers()):
         steps = layer.stack_steps
         assert [handle.layer_addresses(i)[j] for j in (1, 2, 4, 5)] == [w.data.data_ptr() for w in steps.packed_weights()]
         assert layer.qkv.weight.data.data_ptr() == steps.qkv.data.data_ptr() and layer.qkv.bias is layer.qkv_bias

@@ -101,7 +101,7 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
         file.release([file.tensors["token_embd.weight"]])
         model.prepack()
         placed = _packed_buffer(plan, dtype)
-        for index, layer in enumerate(model._decoder_layers()):
+        for index, layer in enumerate(model.decoder_layers()):
             dequantize_into(layer.input_norm, file.tensors[f"blk.{index}.attn_norm.weight"])
             dequantize_into(layer.post_attention_norm, file.tensors[f"blk.{index}.ffn_norm.weight"])
             for fused, parts in plan.dense[index].items():

@@ -244,19 +244,18 @@ def layer_extras(layer: StackLayerSource) -> cpu.LayerExtras | None:
 def stack_extras(
     config: ModelConfig, layers: Sequence[StackLayerSource], steps: Sequence[Int4LayerSteps | None],
     rope_indices: Sequence[int],
-) -> tuple[list[Int4LayerSteps | None], cpu.ModelExtras] | None:
+) -> tuple[list[Int4LayerSteps], cpu.ModelExtras] | None:
     """Each layer's steps with its rope table (`rope_indices`), attention plan, softmax scale and
     score cap filled in, and the model's features, for `Int4DecodeStack.create`; None where the
-    kernel cannot run the model (more distinct windows than its plans, Gemma's norms on a
-    non-Gemma layer shape)."""
+    kernel cannot run the model (a layer without its packed steps, more distinct windows than
+    its attention plans)."""
     windows = tuple(dict.fromkeys(layer.attention.sliding_window or 0 for layer in layers))
     if len(windows) > cpu.STACK_MAX_PLANS or max(rope_indices, default=0) >= cpu.STACK_MAX_ROPES:
         return None
-    filled: list[Int4LayerSteps | None] = []
+    filled: list[Int4LayerSteps] = []
     for layer, layer_steps, rope in zip(layers, steps, rope_indices):
         if layer_steps is None:
-            filled.append(None)
-            continue
+            return None
         base = layer_steps.extras or cpu.LayerExtras()
         attention = layer.attention
         extras = base._replace(rope=rope, plan=windows.index(attention.sliding_window or 0),
