@@ -191,7 +191,8 @@ def test_native_weights_of_a_family_lie_side_by_side_and_run_on_the_kernel(name,
     handle = stack.weights(model.embedding_table())
     for i, layer in enumerate(model.decoder_layers()):
         steps = layer.stack_steps
-        assert [handle.layer_addresses(i)[j] for j in (1, 2, 4, 5)] == [w.data.data_ptr() for w in steps.packed_weights()]
+        addresses = [weight.data.data_ptr() for weight in steps.packed_weights()]
+        assert [handle.layer_addresses(i)[j] for j in (1, 2, 4, 5)] == addresses
         assert layer.qkv.weight.data.data_ptr() == steps.qkv.data.data_ptr() and layer.qkv.bias is layer.qkv_bias
     batch, num_slots = make_batch([(70, 1), (5, 1), (30, 1)], shared=0, seed=6)
     (stacked, _), (layered, _) = both_paths(model, batch, num_slots, seed=6)

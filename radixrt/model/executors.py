@@ -128,7 +128,9 @@ class WholeStep:
     def run(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         return self.logits(batch, self.plan(batch), logit_rows)
 
-    def logits(self, batch: ForwardBatch, plan: tuple[AttentionSegments, ...], logit_rows: torch.Tensor) -> torch.Tensor:
+    def logits(
+        self, batch: ForwardBatch, plan: tuple[AttentionSegments, ...], logit_rows: torch.Tensor
+    ) -> torch.Tensor:
         """float32 logits of rows of the step: all of it in the kernel's call when the LM head is
         the file's own in a packed format, else the kernel's hidden states through the model's head."""
         model, kv_cache = self.model, self.backend.kv_cache

@@ -71,8 +71,8 @@ class Int4LayerSteps:
         kernels, matmul = cpu.int4_layer(), cpu.quantized_matmul()
         if kernels is None or matmul is None or input_norm.dtype != torch.bfloat16:
             return None
-        if extras is not None and any(tensor is not None and (tensor.dtype != torch.bfloat16 or not tensor.is_contiguous())
-                                      for tensor in extras[:6]):  # fmt: skip
+        added = [] if extras is None else [tensor for tensor in extras[:6] if tensor is not None]
+        if any(tensor.dtype != torch.bfloat16 or not tensor.is_contiguous() for tensor in added):
             return None
         if not all(isinstance(w, cpu.PackedWeight) or matmul.supports(w.shape) for w in weights.values()):
             return None
@@ -154,8 +154,8 @@ class Int4DecodeStack:
             embedding if isinstance(embedding, torch.Tensor) else embedding.data, final_norm,
             None if head is None else head.data))  # fmt: skip
         if self._handle is None or self._handle[0] != key:
-            layers = [cpu.LayerWeights(layer.input_norm, layer.post_attention_norm, *layer.packed_weights(),
-                                       layer.extras) for layer in self._layers]  # fmt: skip
+            layers = [cpu.LayerWeights(layer.input_norm, layer.post_attention_norm, layer.qkv, layer.o, layer.gate_up,
+                                       layer.down, layer.extras) for layer in self._layers]  # fmt: skip
             first = self._layers[0]
             handle = self._kernel.weights(embedding, layers, final_norm, head, first.eps, first.heads,
                                           self._intermediate, self._extras)  # fmt: skip
@@ -225,13 +225,26 @@ class Int4DecodeStack:
 class StackLayerSource(Protocol):
     """What `stack_extras` reads off a decoder layer (`LlamaDecoderLayer`)."""
 
-    qkv_bias: torch.Tensor | None
-    o_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    pre_feedforward_norm: torch.Tensor | None
-    post_feedforward_norm: torch.Tensor | None
-    attention: LayerAttention
+    @property
+    def qkv_bias(self) -> torch.Tensor | None: ...
+
+    @property
+    def o_bias(self) -> torch.Tensor | None: ...
+
+    @property
+    def q_norm(self) -> torch.Tensor | None: ...
+
+    @property
+    def k_norm(self) -> torch.Tensor | None: ...
+
+    @property
+    def pre_feedforward_norm(self) -> torch.Tensor | None: ...
+
+    @property
+    def post_feedforward_norm(self) -> torch.Tensor | None: ...
+
+    @property
+    def attention(self) -> LayerAttention: ...
 
 
 def layer_extras(layer: StackLayerSource) -> cpu.LayerExtras | None:
