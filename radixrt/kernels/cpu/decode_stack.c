@@ -32,7 +32,9 @@
  * The arithmetic and its bf16 roundings are those of int4_layer.c,
  * decode_attention.c, rms_norm.c and the formats' kernels (packed_matrix.c), so
  * a step gets bit for bit what the per-layer path computes
- * (tests/test_decode_stack.py). A weight is a PackedMatrix (kernels.h): its
+ * (tests/test_decode_stack.py, tests/test_stack_families.py), but for Gemma's
+ * norms, GELU-tanh and caps: rounded where torch rounds them, reduced in another
+ * order or through libm's tanhf, so within bf16 noise of it. A weight is a PackedMatrix (kernels.h): its
  * format is data, and a fused projection may hold parts of several formats.
  */
 #include <math.h>
