@@ -5,7 +5,7 @@ A dense load of the F32 (or F16, the weights rounded to it) file equals the fold
 for bit, parameters and logits: names, Llama's q/k reordering, Gemma's stored 1 + w, Phi-3's
 fused tensors and the config from the metadata are all undone exactly. A quantized file (Q4_K,
 Q5_K, Q6_K and Q8_0 parts) loads natively, its projections packed as stored with no dense copy,
-its logits a dense run of the same weights', and greedy generation through `radixrt.Runtime`
+its logits as close to a float32 run of the same weights as a dense bf16 run's, and greedy generation through `radixrt.Runtime`
 gives the same tokens with the cache cold and warm.
 """
 
@@ -64,8 +64,10 @@ NATIVE = {
 # Q6_K v and down, Q8_0 output, Q5_K gate and up; a Q8_0 embedding, a Q6_K untied head
 QUANT_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_qkv": "Q4_K", "attn_output": "Q8_0",
                "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K"}  # fmt: skip
-# bf16 dense weights against the file's exact ones with float32 sums (test_gguf_formats.py)
-LOGIT_ATOL = 0.05
+# A bf16 run of the file's weights (native or dense) differs from a float32 run of them by its
+# roundings; Gemma's scaled embeddings make them larger. The native run's difference stays within
+# twice the dense bf16 run's plus this
+LOGIT_ATOL = 0.01
 PROMPTS = [list(range(3, 19)) + tail for tail in ([40, 41, 42], [50, 51], [60, 61, 62, 63, 64])]
 
 
@@ -172,11 +174,13 @@ def test_a_quantized_file_runs_natively_as_a_dense_run_of_its_weights(quantized,
         packed = layer.int4_steps.packed_weights() if layer.int4_steps else layer.packed_projections.values()
         assert len(list(packed)) == 4 and layer.kernel_projections
     dense = load_model(quantized[family], dtype="bfloat16", weights="dense")
+    exact = load_model(quantized[family], dtype="float32", weights="dense")
     assert dense.weights == "dense" and dense.model.layers[0].qkv_proj.numel() > 0
     for ids in (PROMPTS[0][:5], PROMPTS[0] * 3):  # a step the C layer steps take, and a longer prompt
-        ours, theirs = all_logits(native, ids)[-1], all_logits(dense, ids)[-1]
-        torch.testing.assert_close(ours, theirs, atol=LOGIT_ATOL, rtol=0)
-        assert ours.argmax() == theirs.argmax()
+        want = all_logits(exact, ids)[-1]
+        native_error = (all_logits(native, ids)[-1] - want).abs().max()
+        dense_error = (all_logits(dense, ids)[-1] - want).abs().max()
+        assert native_error <= 2 * dense_error + LOGIT_ATOL, (native_error, dense_error)
 
 
 @needs_kernels

@@ -55,7 +55,7 @@ def write_hf_gguf(path: Path, hf_model: Any, hf_tokenizer: Any, types: dict[str,
             data = values
         else:
             data = gguf.quants.quantize(values, qtype)
-        writer.add_tensor(name, data, raw_shape=values.shape if kind != "F32" else None, raw_dtype=qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)  # a uint8 array is read as bytes of `qtype`
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
