@@ -139,6 +139,7 @@ def test_a_dense_load_equals_the_hugging_face_folder_bit_for_bit(written, family
         # llama.cpp writes Mistral as a Llama: the same model without a window
         assert as_float32(dataclasses.replace(loaded.config, architecture=expected.config.architecture)) == (
             as_float32(expected.config))
+        assert as_float32(ModelConfig.from_hf(loaded.hf_config)) == as_float32(loaded.config), "transformers' reading"
         ours, theirs = loaded.model.state_dict(), expected.model.state_dict()
         assert ours.keys() == theirs.keys()
         for key, value in theirs.items():

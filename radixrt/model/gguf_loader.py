@@ -1,7 +1,11 @@
 """A GGUF model read straight from its file: no converted copy of the weights, on disk or in memory.
 
-    file ──mmap──► GGUFFile ──► config + tokenizer: the start record, or transformers over the
-       │                        metadata once (then recorded: `start_record`)
+Every family in `gguf_families.ARCHITECTURES` is read so: llama (Llama, SmolLM, Mistral as
+llama.cpp writes it), qwen2 (Qwen2, Qwen2.5), qwen3, phi3, gemma2 and gemma3 (the text model).
+
+    file ──mmap──► GGUFFile ──► config: the metadata, mapped per family (`gguf_config`)
+       │                   └──► tokenizer: the start record, or transformers over the metadata
+       │                        once (then recorded: `start_record`)
        │
        ├─ projections, LM head and embedding in a     ──► repacked from the file's blocks into the
        │  format with a packed layout (Q4_0, Q4_1,        formats' tile layouts (`cpu.PackedWeight`,
@@ -22,10 +26,11 @@ tensor names and shapes, memory for the weights plus the KV pool) is checked
 before the model is allocated, so a bad file leaves nothing half-loaded
 behind.
 
-llama.cpp's converter reorders the rows of each q and k projection for its
-rotary layout; they are put back in Hugging Face order (as transformers does),
-so the dense weights equal the ones the earlier transformers conversion wrote,
-bit for bit.
+What llama.cpp's converter changed is undone (`gguf_families`): a Llama's q and k rows
+reordered for its rotary layout are put back in Hugging Face order (as transformers does),
+Gemma's norms stored plus 1 get their 1 back, Phi-3's fused q/k/v and gate/up are our fused
+layout already. The dense weights equal the Hugging Face checkpoint the file was converted from,
+bit for bit, for an F32 file.
 """
 
 from __future__ import annotations
