@@ -15,6 +15,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from radixrt.kernels import cpu
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
 from radixrt.memory import KVCache
+from radixrt.model import gguf_config
 from radixrt.model.config import ModelConfig
 from radixrt.model.loader import LoadedModel, load_model
 from radixrt.model.runner import ModelRunner
@@ -221,3 +223,44 @@ def test_unsupported_architectures_and_bad_metadata_are_refused_by_name(written,
     (tmp_path / "keyless.gguf").write_bytes(source.replace(b"qwen2.embedding_length", b"qwen2.embedding_lengtX"))
     with pytest.raises(ValueError, match="metadata qwen2.embedding_length is missing"):
         load_model(tmp_path / "keyless.gguf")
+
+
+def metadata_file(arch: str, tensors: tuple[str, ...] = (), **keys: object) -> SimpleNamespace:
+    """What `gguf_config.hf_config` reads of a file: architecture, metadata, tensor names."""
+    defaults = dict(block_count=12, embedding_length=1024, feed_forward_length=4096, context_length=8192,
+                    attention__head_count=8, attention__head_count_kv=4, attention__layer_norm_rms_epsilon=1e-6)
+    metadata = {f"{arch}.{key.replace('__', '.')}": value for key, value in {**defaults, **keys}.items()}
+    embedding = SimpleNamespace(shape=(512, 1024))
+    return SimpleNamespace(architecture=arch, metadata=metadata, path=Path(f"{arch}.gguf"),
+                           tensors={"token_embd.weight": embedding, **dict.fromkeys(tensors)})
+
+
+def test_what_a_file_does_not_say_is_what_llama_cpp_assumes():
+    gemma3 = ModelConfig.from_hf(gguf_config.hf_config(metadata_file(
+        "gemma3", attention__key_length=256, attention__sliding_window=512, rope__freq_base=1e6)))
+    assert [gemma3.layer_window(i) for i in range(12)] == ([512] * 5 + [None]) * 2, "five sliding layers in six"
+    assert gemma3.local_rope_theta == 10000.0 and gemma3.rope_theta == 1e6
+    assert gemma3.query_pre_attn_scalar == 256 and gemma3.tie_word_embeddings and gemma3.rms_norm_eps == 1e-6
+    big = gguf_config.hf_config(metadata_file("gemma3", block_count=62, attention__key_length=128))
+    assert big["query_pre_attn_scalar"] == 1024 // 8, "the 27B model scales queries by hidden / heads"
+    gemma2 = ModelConfig.from_hf(gguf_config.hf_config(metadata_file("gemma2", attention__sliding_window=4096)))
+    assert [gemma2.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (None, None), "none written, none run"
+    phi3 = ModelConfig.from_hf(gguf_config.hf_config(metadata_file("phi3", attention__sliding_window=0)))
+    assert phi3.sliding_window is None and phi3.head_dim == 128
+    mistral = ModelConfig.from_hf(gguf_config.hf_config(metadata_file("llama", rope__dimension_count=128)))
+    assert mistral.architecture == "LlamaForCausalLM" and mistral.sliding_window is None
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    (dict(rope__scaling__type="su"), "metadata gemma3.rope.scaling.type is 'su'; supported: none, linear, yarn"),
+    (dict(attention__head_count_kv=[4, 4]), r"metadata gemma3\.attention\.head_count_kv must be one integer >= 1"),
+    (dict(attention__sliding_window=64, attention__sliding_window_pattern=[True]),
+     "sliding_window_pattern has 1 entries, the model 12 layers"),
+    (dict(attention__layer_norm_rms_epsilon=None), r"gemma3\.attention\.layer_norm_rms_epsilon"),
+])  # fmt: skip
+def test_bad_metadata_is_refused_naming_the_key(keys, message):
+    file = metadata_file("gemma3", **keys)
+    file.metadata = {key: value for key, value in file.metadata.items() if value is not None}
+    with pytest.raises(ValueError, match=message):
+        gguf_config.hf_config(file)
