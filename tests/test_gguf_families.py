@@ -200,6 +200,18 @@ def test_greedy_generation_on_a_native_file_is_the_same_cold_and_warm(quantized,
     assert warm == cold
 
 
+@needs_kernels
+@pytest.mark.parametrize("family", ["qwen2", "phi3-window", "gemma2"])
+def test_quantizing_a_family_file_at_load_equals_quantizing_its_folder(written, family):
+    """The same float32 weights (Phi-3's fused tensors, Gemma's norms) quantized to the same codes."""
+    folder, f32, _ = written[family]
+    from_file = load_model(f32, dtype="bfloat16", quantize="q8_0")
+    from_folder = load_model(folder, dtype="bfloat16", quantize="q8_0")
+    assert from_file.weights == from_folder.weights == "q8_0"
+    ids = PROMPTS[0] + list(range(100, 120))
+    assert torch.equal(all_logits(from_file, ids), all_logits(from_folder, ids))
+
+
 @pytest.mark.parametrize(("family", "omit", "missing"), [
     ("qwen3-bias-tied", "blk.1.attn_k_norm.weight", r"missing \['blk\.1\.attn_k_norm\.weight'\]"),
     ("qwen2", "blk.0.attn_v.bias", r"missing \['blk\.0\.attn_v\.bias'\]"),
