@@ -5,8 +5,8 @@ A dense load of the F32 (or F16, the weights rounded to it) file equals the fold
 for bit, parameters and logits: names, Llama's q/k reordering, Gemma's stored 1 + w, Phi-3's
 fused tensors and the config from the metadata are all undone exactly. A quantized file (Q4_K,
 Q5_K, Q6_K and Q8_0 parts) loads natively, its projections packed as stored with no dense copy,
-its logits as close to a float32 run of the same weights as a dense bf16 run's, and greedy generation through `radixrt.Runtime`
-gives the same tokens with the cache cold and warm.
+its logits within twice a dense bf16 run's distance of a float32 run of the same weights, and greedy
+generation through `radixrt.Runtime` gives the same tokens with the cache cold and warm.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def as_float32(config: ModelConfig) -> ModelConfig:
     scaling = config.rope_scaling
     if scaling is None or scaling.rope_type != "longrope":
         return config
-    short, long = (tuple(np.float32(f).item() for f in factors) for factors in (scaling.short_factor, scaling.long_factor))
+    short, long = (tuple(np.float32(f).item() for f in factors)
+                   for factors in (scaling.short_factor, scaling.long_factor))
     return dataclasses.replace(config, rope_scaling=dataclasses.replace(scaling, short_factor=short, long_factor=long))
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from radixrt.model import gguf_cache, gguf_loader
+from radixrt.model import gguf_cache, gguf_config, gguf_loader
 from radixrt.model.loader import (
     BUNDLED_MODEL_NAME,
     bundled_model_path,
@@ -160,7 +160,7 @@ def test_bundled_model_loads_from_its_file_and_reuses_its_record(smollm2, monkey
     def no_transformers(*args: object) -> None:
         raise AssertionError("the start record should have been reused")
 
-    monkeypatch.setattr(gguf_loader, "_transformers_config", no_transformers)
+    monkeypatch.setattr(gguf_config.MetadataConfig, "transformers_config", no_transformers)
     monkeypatch.setattr(gguf_loader, "_transformers_tokenizer", no_transformers)
     again = load_model(dtype="bf16")
     assert again.path == smollm2.path and again.model.dtype == torch.bfloat16

@@ -87,7 +87,8 @@ def _write_config(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:
         writer.add_sliding_window(config.sliding_window or 0)
         if rope.get("rope_type") == "longrope":
             scale = config.max_position_embeddings / trained
-            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(trained)) if scale > 1 else 1.0)
+            attention_factor = math.sqrt(1 + math.log(scale) / math.log(trained)) if scale > 1 else 1.0
+            writer.add_rope_scaling_attn_factors(attention_factor)
     else:
         if arch == "llama":
             writer.add_rope_dimension_count(head_dim)

@@ -29,7 +29,8 @@ from radixrt.model.gguf_int4 import PROJECTIONS, unpermute_rows
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}  # fmt: skip
 _PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM")
-_PHI3_PROJECTIONS = {"qkv": ("attn_qkv",), "o": ("attn_output",), "gate_up": ("ffn_up",), "down": ("ffn_down",)}
+_PHI3_PROJECTIONS: dict[str, tuple[str, ...]] = {"qkv": ("attn_qkv",), "o": ("attn_output",), "gate_up": ("ffn_up",),
+                                                  "down": ("ffn_down",)}
 # Tensors read into the config, not the model (Phi-3's longrope factors), or not read at all
 # (llama.cpp's precomputed Llama 3 rope factors, which transformers does not read either).
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")

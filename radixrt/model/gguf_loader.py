@@ -75,7 +75,8 @@ def config_and_tokenizer(file: GGUFFile) -> tuple[ModelConfig, Any, Callable[[],
     read_hf_config = functools.cache(hf_config.transformers_config)
     record = read_record(file)
     if record is not None:
-        return config, Tokenizer(record.tokenizer, functools.partial(_transformers_tokenizer, file.path)), read_hf_config
+        tokenizer = Tokenizer(record.tokenizer, functools.partial(_transformers_tokenizer, file.path))
+        return config, tokenizer, read_hf_config
     hf_tokenizer = _transformers_tokenizer(file.path)
     written = write_record(file, hf_config, config, hf_tokenizer)
     tokenizer = hf_tokenizer if written is None else Tokenizer(written.tokenizer, lambda: hf_tokenizer)
