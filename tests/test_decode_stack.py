@@ -16,7 +16,9 @@ from radixrt.memory import KVCache, huge_pages
 from radixrt.memory.kv_cache import KVShape
 from radixrt.model.gguf_int4 import NativeWeights
 from radixrt.model.linear import PackedLMHead
-from radixrt.model.llama import INT4_MAX_ROWS, STACK_MAX_ROWS, LlamaForCausalLM, StackedStep
+from radixrt.model.executors import STACK_MAX_ROWS, WholeStep
+from radixrt.model.int4_layer import Int4DecodeStack
+from radixrt.model.llama import INT4_MAX_ROWS, LlamaForCausalLM
 from radixrt.model.runner import ModelRunner
 from tests.conftest import randomize_weights
 from tests.test_model import prepacked
@@ -48,7 +50,7 @@ def native_llama(vocab_size: int = VOCAB, quantized_head: bool = False) -> Llama
               for i in range(config.num_layers)]  # fmt: skip
     head = random_int8(config.vocab_size, config.hidden_size, seed=99) if quantized_head else None
     ours.use_int4_projections(NativeWeights(layers, head))
-    assert ours._stack is not None, "a plain Llama on 4-bit weights runs as one stack"
+    assert WholeStep.stack_for(ours) is not None, "a plain Llama on 4-bit weights runs as one stack"
     return ours
 
 
@@ -59,7 +61,7 @@ def model() -> LlamaForCausalLM:
     return native_llama()
 
 
-def filled_runner(model: LlamaForCausalLM, num_slots: int, seed: int) -> ModelRunner:
+def filled_runner(model: LlamaForCausalLM, num_slots: int, seed: int, whole_steps: bool = True) -> ModelRunner:
     """A runner over a pool of random K/V (stand-ins for cached tokens)."""
     config = model.config
     cache = KVCache(config.kv_shape(torch.bfloat16), num_slots)
@@ -68,7 +70,7 @@ def filled_runner(model: LlamaForCausalLM, num_slots: int, seed: int) -> ModelRu
         pool.copy_(torch.randn(pool.shape, generator=generator))
     backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim,
                              shared_prefix_min_tokens=SHARED_MIN)  # fmt: skip
-    return ModelRunner(model, cache, backend)
+    return ModelRunner(model, cache, backend, whole_steps=whole_steps)
 
 
 def make_batch(specs: list[tuple[int, int]], shared: int, seed: int) -> tuple[ForwardBatch, int]:
@@ -104,16 +106,10 @@ def both_paths(
     if logit_rows is None:
         logit_rows = torch.arange(batch.num_tokens)
     results = []
-    stack = model._stack
     for use_stack in (True, False):
-        runner = filled_runner(model, num_slots, seed)
-        model._stack = stack if use_stack else None
-        try:
-            plan = model.plan_attention(batch, runner.backend)
-            assert isinstance(plan, StackedStep) == use_stack
-            logits = runner.forward(batch, logit_rows)
-        finally:
-            model._stack = stack
+        runner = filled_runner(model, num_slots, seed, whole_steps=use_stack)
+        assert isinstance(runner.executor(batch), WholeStep) == use_stack
+        logits = runner.forward(batch, logit_rows)
         results.append((logits, [pool.clone() for pool in runner.kv_cache.k]))
     return results
 
@@ -129,19 +125,17 @@ def test_decode_steps_are_bit_identical_to_the_layer_path(model, specs):
 
 @pytest.mark.parametrize("specs, rows", [([(0, 1)], None), ([(300, 1), (5, 1), (0, 1), (700, 1)], [3, 0, 3, 1]),
                                          ([(20, 1)] * 16, None), ([(40, 1), (7, 1), (90, 1)], [2, 2, 0])])
-def test_the_whole_step_through_the_files_head_is_bit_identical_to_the_layer_path(headed_model, specs, rows):
+def test_the_whole_step_through_the_files_head_is_bit_identical_to_the_layer_path(headed_model, specs, rows,
+                                                                                  monkeypatch):
     """Embedding lookup, RoPE table rows, final norm and the 8-bit head inside the kernel's call:
     the logits of any rows (repeats, any order) as the layers, the model's norm and the head's own
     call give. (Decodes: the layer path attends an extend through SDPA, in another order.)"""
     batch, num_slots = make_batch(specs, shared=0, seed=len(specs))
     logit_rows = None if rows is None else torch.tensor(rows)
     calls = []
-    stack_logits = headed_model._stack.logits
-    headed_model._stack.logits = lambda *args: calls.append(args) or stack_logits(*args)
-    try:
-        (stacked, stacked_k), (layered, layered_k) = both_paths(headed_model, batch, num_slots, 1, logit_rows)
-    finally:
-        del headed_model._stack.logits
+    stack_logits = Int4DecodeStack.logits
+    monkeypatch.setattr(Int4DecodeStack, "logits", lambda *args: calls.append(args) or stack_logits(*args))
+    (stacked, stacked_k), (layered, layered_k) = both_paths(headed_model, batch, num_slots, 1, logit_rows)
     assert len(calls) == 1, "the stacked step ran its head in the kernel"
     assert torch.equal(stacked, layered)
     assert all(torch.equal(a, b) for a, b in zip(stacked_k, layered_k))
@@ -150,7 +144,7 @@ def test_the_whole_step_through_the_files_head_is_bit_identical_to_the_layer_pat
 def test_the_packed_weights_lie_side_by_side_in_the_order_a_step_reads_them(headed_model):
     """One buffer on huge pages (memory/huge_pages.py), so that a step streams one run of memory;
     the layer path and the whole-step kernel read the same copies."""
-    layers = headed_model._decoder_layers()
+    layers = headed_model.decoder_layers()
     packed = [weight for layer in layers for weight in layer.int4_steps.packed_weights()]
     packed.append(headed_model._invariant_lm_head.packed)
     at = packed[0].data.data_ptr()
@@ -158,7 +152,9 @@ def test_the_packed_weights_lie_side_by_side_in_the_order_a_step_reads_them(head
     for weight in packed:
         assert weight.data.data_ptr() == at
         at += -(-weight.data.numel() // huge_pages.ALIGNMENT) * huge_pages.ALIGNMENT
-    handle = headed_model._stack.weights(headed_model._embedding_table())
+    stack = WholeStep.stack_for(headed_model)
+    assert stack is not None
+    handle = stack.weights(headed_model.embedding_table())
     for i, layer in enumerate(layers):
         steps = layer.int4_steps
         assert [handle.layer_addresses(i)[j] for j in (1, 2, 4, 5)] == [w.data.data_ptr() for w in steps.packed_weights()]
@@ -272,13 +268,12 @@ def test_segments_read_a_shared_prefix_once_and_an_extend_row_its_new_keys():
 def test_large_steps_and_other_backends_stay_on_the_layer_path(model):
     batch, num_slots = make_batch([(10, STACK_MAX_ROWS + 1)], shared=0, seed=0)
     runner = filled_runner(model, num_slots, seed=0)
-    assert not isinstance(model.plan_attention(batch, runner.backend), StackedStep)
+    assert not isinstance(runner.executor(batch), WholeStep)
     fp32_pool = KVCache(model.config.kv_shape(torch.float32), num_slots)
     config = model.config
     backend = create_backend("torch", fp32_pool, config.num_heads, config.num_kv_heads, config.head_dim)
-    small, _ = make_batch([(10, 1)], shared=0, seed=0)
     assert not backend.reads_pool_in_place
-    assert not isinstance(model.plan_attention(small, backend), StackedStep)
+    assert WholeStep.create(model, backend, deterministic=False) is None
 
 
 def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(model):

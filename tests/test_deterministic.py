@@ -31,6 +31,7 @@ from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.kernels.registry import create_backend
 from radixrt.kernels.segments import aligned_attention_segments
 from radixrt.memory import KVCache
+from radixrt.model.executors import WholeStep
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import LoadedModel
 from radixrt.model.runner import ModelRunner
@@ -91,7 +92,7 @@ def model(request: pytest.FixtureRequest) -> LlamaForCausalLM:
 
 @pytest.fixture(scope="module")
 def loaded(model: LlamaForCausalLM, tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    weights = "dense" if model._stack is None else "native"
+    weights = "dense" if WholeStep.stack_for(model) is None else "native"
     name = f"tiny-{model.config.architecture}-{weights}-{str(model.dtype).removeprefix('torch.')}"
     return LoadedModel(model=model, config=model.config, tokenizer=tiny_tokenizer, name=name,
                        path=Path(tmp_path_factory.mktemp(name)), weights=weights,

@@ -6,6 +6,7 @@ dense run of the same weights."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import gguf
@@ -18,6 +19,7 @@ from radixrt.kernels import cpu
 from radixrt.model import gguf_loader, gguf_plan, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_file import GGUFFile
+from radixrt.model.executors import WholeStep
 from radixrt.model.gguf_int4 import PROJECTIONS
 from radixrt.model.loader import LoadedModel, load_model
 from radixrt.sampling.params import SamplingParams
@@ -75,13 +77,18 @@ def test_the_q4_k_m_mix_puts_every_tensor_on_the_native_path(files, mix):
     assert plan.head is not None and plan.head.type_name == "Q6_K"
     assert plan.embedding is not None and plan.embedding.type_name == "Q4_K"
     model = mix.model
-    assert model._stack is not None and mix.weights == "native"
+    assert WholeStep.stack_for(model) is not None and mix.weights == "native"
     layouts = [[{part.format for part in weight.layout()} for weight in layer.int4_steps.packed_weights()]
                for layer in model.layers]  # fmt: skip
     q4_k, q6_k = cpu.FORMATS["Q4_K"], cpu.FORMATS["Q6_K"]
     assert layouts[0] == [{q4_k}] * 4, "layer 0: every part Q4_K"
     assert layouts[2] == [{q4_k, q6_k}, {q4_k}, {q4_k}, {q6_k}], "layer 2: Q6_K v rows in a Q4_K qkv, Q6_K down"
     assert {part.format for part in model._invariant_lm_head.packed.layout()} == {q6_k}
+    # the mix as loaded, every parameter counted once in the format it runs in
+    formats = model.weight_formats()
+    assert set(formats) == {"Q4_K", "Q6_K", "BF16"}  # BF16: the norms
+    file_elements = sum(math.prod(tensor.shape) for tensor in GGUFFile(files["Q4_K_M"]).tensors.values())
+    assert sum(formats.values()) == file_elements
 
 
 def check_packed_weights(loaded: LoadedModel, path: Path) -> None:
@@ -114,7 +121,7 @@ def test_each_format_packs_to_ggufs_values_and_runs_as_a_dense_run_of_them(files
     native = load_model(files[kind], dtype="bfloat16", weights="native")
     check_packed_weights(native, files[kind])
     dense = load_model(files[kind], dtype="bfloat16", weights="dense")
-    assert native.model._stack is not None and dense.weights == "dense"
+    assert WholeStep.stack_for(native.model) is not None and dense.weights == "dense"
     for text in ("The quick brown fox", "The quick brown fox jumps over the lazy dog. " * 8):
         ids = native.tokenizer.encode(text)
         ours, theirs = logits_of(native, ids), logits_of(dense, ids)

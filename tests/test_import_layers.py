@@ -97,6 +97,15 @@ def test_only_the_model_layer_reaches_the_cpu_kernels(graph):
     assert not reaching, "\n".join(reaching)
 
 
+def test_the_model_asks_backends_what_they_can_do_not_which_class_they_are(graph):
+    """The model and its executors choose a step's path from `AttentionBackend`'s own properties
+    (`reads_pool_in_place`, `attends_segments`), never from a concrete backend's class."""
+    backends = {"radixrt.kernels.torch_backend", "radixrt.kernels.triton_backend", "radixrt.kernels.flashinfer_backend"}
+    reaching = sorted(f"{module} imports {target}" for module, targets in graph.items()
+                      if module.startswith("radixrt.model") for target in targets & backends)  # fmt: skip
+    assert not reaching, "\n".join(reaching)
+
+
 def test_no_import_cycles(graph):
     cycles = strongly_connected_components(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(sorted(c)) for c in cycles)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from radixrt import Runtime
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.model import gguf_int4, linear
+from radixrt.model.executors import LayerByLayer
 from radixrt.model.gguf_file import GGUFTensor
 from radixrt.model.gguf_int4 import Int4Weight, Int8Weight, read_lm_head, read_projections
 from radixrt.model.loader import bundled_model_path, load_model
@@ -125,7 +126,7 @@ def test_native_model_is_close_to_dense():
         cache = KVCache(config.kv_shape(torch.bfloat16), 64)
         backend = create_backend("torch", cache, config.num_heads, config.num_kv_heads, config.head_dim)
         with torch.inference_mode():
-            hidden = loaded.model.forward(batch, backend, loaded.model.plan_attention(batch, backend))
+            hidden = loaded.model.forward(batch, backend, LayerByLayer(loaded.model, backend, False).plan(batch))
             logits[label] = loaded.model.compute_logits(hidden[-1:]).log_softmax(-1)[0]
     best = int(logits["dense"].argmax())
     # The dense model rounds each weight to bf16, the native one does not: the dense model's

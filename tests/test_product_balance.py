@@ -135,7 +135,7 @@ SKEWED = {2: [[0.2, 0.8], [0.9, 0.1], [0.35, 0.65], [0.6, 0.4], [0.15, 0.85]],
 @pytest.mark.parametrize("threads", [2, 3], indirect=True)
 def test_a_step_gives_the_same_bits_however_its_products_are_divided(headed_model, threads):
     batch, num_slots = make_batch([(300, 1), (5, 1), (0, 1), (700, 1)], shared=0, seed=4)
-    kernel = headed_model._stack._kernel
+    kernel = cpu.decode_stack()
     (equal, equal_k), _ = both_paths(headed_model, batch, num_slots, seed=1)
     kernel.balance.set_shares(SKEWED[threads])
     (skewed, skewed_k), _ = both_paths(headed_model, batch, num_slots, seed=1)
@@ -152,7 +152,7 @@ def test_a_run_gives_the_same_tokens_however_its_products_are_divided(headed_mod
     slots, num_slots = sequences(contexts, shared=0, steps=steps, seed=2)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=5),
               SamplingParams(temperature=0, repetition_penalty=1.3), SamplingParams(temperature=1.1, seed=6)]
-    kernel = headed_model._stack._run_kernel
+    kernel = cpu.decode_run()
     results = []
     for shares in (None, SKEWED[threads]):
         if shares is not None:

@@ -28,6 +28,7 @@ from radixrt.model import quantize as quantizer
 from radixrt.model.checkpoint import checkpoint_weights
 from radixrt.model.gguf_file import GGUFTensor
 from radixrt.model.gguf_int4 import int4_weight, int8_weight
+from radixrt.model.executors import WholeStep
 from radixrt.model.llama import LlamaForCausalLM, checkpoint_projections
 from radixrt.model.loader import load_model
 from radixrt.paths import CACHE_ENV_VAR
@@ -129,7 +130,7 @@ def test_a_bf16_folder_quantized_keeps_no_dense_projection_and_packs_the_referen
     assert torch.equal(gate_up_of(layer).data, expected_packed.data)
     head = reference(checkpoint["model.embed_tokens.weight"], "q8_0")
     assert torch.equal(model._invariant_lm_head.packed.data, matmul.pack_int8(head.codes, head.scales).data)
-    assert model._stack is not None, "layers of any packed format run the whole-step kernel"
+    assert WholeStep.stack_for(model) is not None, "layers of any packed format run the whole-step kernel"
 
 
 def gate_up_of(layer) -> cpu.PackedWeight:

@@ -166,6 +166,8 @@ def test_models_info_health_flush_abort(app, runtime):
     # "auto" resolved: on where radixrt's kernels build (the tiny float32 model runs through them)
     assert server["deterministic"] is (cpu.rowwise_matmul() is not None)
     assert server["kernel_isa"] == cpu.isa()  # the CPU kernels' instruction set (RADIXRT_CPU_ISA caps it)
+    # parameters by the format they run in: the tiny float32 model holds every one dense
+    assert server["weight_formats"] == {"F32": sum(p.numel() for p in runtime.engine.runner.model.parameters())}
     assert call(app, "POST", "/abort_request", {"rid": "nobody"}).json() == {"rid": "nobody"}
     assert call(app, "POST", "/flush_cache").status_code == 200
     assert runtime.cache_stats()["tree_tokens"] == 0

@@ -26,7 +26,7 @@ def state_dict(loaded: LoadedModel, dtype: torch.dtype) -> dict[str, torch.Tenso
                                         "model.norm.weight": model.norm}
     if not config.tie_word_embeddings:
         tensors["lm_head.weight"] = model.lm_head
-    for index, layer in enumerate(model._decoder_layers()):
+    for index, layer in enumerate(model.decoder_layers()):
         prefix = f"model.layers.{index}."
         tensors[prefix + "input_layernorm.weight"] = layer.input_norm
         tensors[prefix + "post_attention_layernorm.weight"] = layer.post_attention_norm

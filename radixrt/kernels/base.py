@@ -22,6 +22,7 @@ import torch
 
 from radixrt.kernels import DEFAULT_SHARED_PREFIX_MIN_TOKENS, cpu
 from radixrt.kernels.forward_batch import ForwardBatch
+from radixrt.kernels.segments import AttentionSegments
 from radixrt.memory.kv_cache import KVCache
 
 PlanT = TypeVar("PlanT")
@@ -114,6 +115,28 @@ class AttentionBackend(ABC, Generic[PlanT]):
     def plan(self, batch: ForwardBatch, attention: LayerAttention = FULL_ATTENTION) -> PlanT:
         """Build this step's metadata once (index arrays, kernel plans) for layers attending as
         `attention` says."""
+
+    @property
+    def reads_pool_in_place(self) -> bool:
+        """Whether radixrt's C attention reads this pool where it lies, so a whole-step kernel
+        (`model.executors.WholeStep`) may attend in this backend's place."""
+        return False
+
+    @property
+    def attends_segments(self) -> bool:
+        """Whether `plan_segments` works here: radixrt's C attention, batch-invariant by
+        construction, reads this pool (the condition for deterministic steps)."""
+        return False
+
+    @property
+    def attention_chunk(self) -> int:
+        """How many keys the C attention reduces as one piece (needs `attends_segments`)."""
+        raise ValueError(f"the {self.name} attention backend does not attend segments")
+
+    def plan_segments(self, segments: AttentionSegments, attention: LayerAttention = FULL_ATTENTION) -> PlanT:
+        """A plan that attends every row of a batch as `segments` say (they carry the causal mask
+        and any window; needs `attends_segments`)."""
+        raise ValueError(f"the {self.name} attention backend does not attend segments")
 
     def softmax_scale(self, attention: LayerAttention) -> float:
         return self.scale if attention.scale is None else attention.scale

@@ -129,26 +129,24 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         self._segment_kernel = cpu.decode_attention() if on_cpu and cpu.supports_segments(*heads) else None
         self._decode_kernel = self._segment_kernel if cpu.supports(*heads) else None
 
+    # The C kernel reads the pool in bf16 (decodes of the default path, whole steps); segments
+    # (deterministic steps) in bf16 or float32.
     @property
     def reads_pool_in_place(self) -> bool:
-        """Whether radixrt's C attention reads this pool (bf16, on a CPU where the kernels built):
-        the condition for a whole-step kernel (`LlamaForCausalLM`) to attend in its place."""
         return self._decode_kernel is not None
 
     @property
     def attends_segments(self) -> bool:
-        """Whether `plan_segments` works here: the C kernel reads this pool (bf16 or float32, CPU)."""
         return self._segment_kernel is not None
 
     @property
     def attention_chunk(self) -> int:
-        """How many keys the C kernel reduces as one piece (needs `attends_segments`)."""
-        assert self._segment_kernel is not None
+        if self._segment_kernel is None:
+            return super().attention_chunk
         return self._segment_kernel.chunk
 
     def plan_segments(self, segments: AttentionSegments, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:
-        """A plan that attends every row of the batch through the C kernel as `segments` say
-        (they carry the causal mask and any window; no soft-cap; needs `attends_segments`)."""
+        """Every row through the C kernel (no soft-cap)."""
         if self._segment_kernel is None or attention.logit_softcap is not None:
             raise ValueError("segment plans need the C attention kernel and attention without a soft-cap")
         return TorchAttentionPlan((), (), attention, segments)

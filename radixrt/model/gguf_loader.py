@@ -109,7 +109,7 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
         file.release([file.tensors["token_embd.weight"]])
         model.prepack()
         placed = _packed_buffer(plan, dtype)
-        for index, layer in enumerate(model._decoder_layers()):
+        for index, layer in enumerate(model.decoder_layers()):
             for small in layer_tensors(config, index):  # norms, biases, q/k norms
                 _read_small(getattr(layer, small.attribute), [file.tensors[name] for name in small.names], config,
                             small.shift)

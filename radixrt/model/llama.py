@@ -12,15 +12,15 @@ The same classes run Gemma 2/3 (`config.is_gemma`: extra norms around the
 sublayers, GeGLU, scaled embeddings, soft-capping; the arithmetic is in
 `radixrt.model.gemma`) and Phi-3 (q/k/v and gate/up stored fused). Layers may
 attend differently (a sliding window on some, a softmax scale, a score cap):
-each layer has its `LayerAttention`, and `plan_attention` plans the step once
-per distinct one.
+each layer has its `LayerAttention`, and a step is planned once per
+distinct one (`radixrt.model.executors`).
 
-On native 4-bit weights, a step of at most `STACK_MAX_ROWS` tokens through
-radixrt's C attention runs every layer in one C call instead
-(`Int4DecodeStack`): `plan_attention` then returns a `StackedStep`, and
-`logits` runs the whole step, embedding lookup to logits, in that call.
+This is the reference forward: the runner plans each step's attention and
+picks how to run it (`radixrt.model.executors`); on native packed weights a
+step may instead run every layer in one C call (`executors.WholeStep`) over
+the weights the layers hold.
 
-Deterministic steps (`deterministic=True` to `plan_attention`, `forward` and
+Deterministic steps (`deterministic=True` to `forward` and
 `compute_logits`, after `prepare_deterministic`) make each token's logits
 bitwise those it gets in any other batch (`docs/determinism.md`): on native
 4-bit weights through that kernel and the file's own LM head whatever their
@@ -30,10 +30,9 @@ C attention reading the pool; attention cut at whole chunks either way.
 
 from __future__ import annotations
 
-import ctypes
 import functools
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -43,14 +42,11 @@ from torch import nn
 from radixrt.kernels import cpu
 from radixrt.kernels.base import AttentionBackend, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
-from radixrt.kernels.segments import AttentionSegments, aligned_attention_segments, attention_segments
-from radixrt.kernels.shared_prefix import find_shared_prefixes
-from radixrt.kernels.torch_backend import TorchAttentionBackend
 from radixrt.memory import huge_pages
 from radixrt.model import gemma, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_int4 import Int4Weight, Int8Weight, NativeWeights
-from radixrt.model.int4_layer import Int4DecodeStack, Int4LayerSteps
+from radixrt.model.int4_layer import Int4LayerSteps
 from radixrt.model.rope import RotaryEmbedding
 
 
@@ -59,11 +55,6 @@ from radixrt.model.rope import RotaryEmbedding
 # batches) run the layer's torch ops over the same packed weights: no dense
 # copy is kept, so they are slower than a dense bf16 GEMM (docs/benchmarks.md).
 INT4_MAX_ROWS = 16
-# ... and steps of at most this many the whole-stack kernel runs, when it applies:
-# without ~30 torch ops a layer it beats the dense path at 24-64 tokens too
-# (decodes, extends and mixes of both); beyond, the step is compute-bound and the
-# dense GEMM wins (docs/benchmarks.md, "The whole-step kernel's row limit").
-STACK_MAX_ROWS = 64
 
 
 RMSNorm = Callable[..., torch.Tensor]  # (hidden, weight, eps, residual=None) -> normed
@@ -71,15 +62,21 @@ RMSNorm = Callable[..., torch.Tensor]  # (hidden, weight, eps, residual=None) ->
 _PROJECTION_PARAMETERS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 
 
-@dataclass(frozen=True)
-class StackedStep:
-    """The plan of a step `Int4DecodeStack` runs: its attention as segments, and the softmax scale."""
-
-    segments: AttentionSegments
-    scale: float
+_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+_FORMAT_NAMES = {number: name for name, number in cpu.FORMATS.items()}
 
 
-StepPlan = Mapping[LayerAttention, Any] | StackedStep
+def stored_formats(weight: Int4Weight | Int8Weight | cpu.PackedWeight) -> Counter[str]:
+    """The parameters of a quantized weight by the format its kernel reads (GGUF type names)."""
+    if isinstance(weight, Int4Weight):
+        return Counter({"Q4_1": weight.codes.numel()})  # codes, a scale and an offset per group
+    if isinstance(weight, Int8Weight):
+        return Counter({"Q8_0": weight.shape[0] * weight.shape[1]})
+    columns = weight.columns()
+    counts: Counter[str] = Counter()
+    for part in weight.layout():
+        counts[_FORMAT_NAMES[part.format]] += part.num_rows * columns
+    return counts
 
 
 def packed_shape(weight: cpu.PackedWeight) -> tuple[int, int]:
@@ -154,6 +151,7 @@ class LlamaDecoderLayer(nn.Module):
         # depend on their batch: deterministic steps may use them as they are
         self.kernel_projections = False
         self.packed_projections: dict[str, cpu.PackedWeight] = {}  # those `use_int4` runs one at a time
+        self.quantized_formats: Counter[str] = Counter()  # parameters of the quantized projections by format
         # (qkv, o, gate_up, down) for deterministic steps (`use_rowwise`)
         self.rowwise: tuple[linear.Linear, linear.Linear, linear.Linear, linear.Linear] | None = None
 
@@ -200,6 +198,7 @@ class LlamaDecoderLayer(nn.Module):
         (`Int4LayerSteps`) take every packed format."""
         shapes = self.projection_shapes()
         for name, weight in weights.items():
+            self.quantized_formats.update(stored_formats(weight))
             shape = weight.shape if isinstance(weight, Int4Weight) else packed_shape(weight)
             if shape != shapes[name]:
                 raise ValueError(f"layer {self.index} {name}: 4-bit shape {shape}, model expects {shapes[name]}")
@@ -338,11 +337,11 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_layers)
         ]
         self._lm_head = linear.plain(self.lm_head)
-        self._stack: Int4DecodeStack | None = None  # set by use_int4_projections where it applies
         self._packed_embedding: cpu.PackedWeight | None = None  # rows looked up quantized (`finish_int4`)
         self._native = False  # projections on 4-bit weights (use_int4_projections)
         # the head deterministic steps use, for every row count: the file's quantized one, or `linear.rowwise`
         self._invariant_lm_head: linear.Linear | None = None
+        self._head_formats: Counter[str] = Counter()  # a quantized head's parameters by format
 
     def prepack(self, projections: bool = True) -> None:
         """Call once the weights are loaded: faster projections, identical results, each packed the
@@ -361,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
         with the file's LM head. Call after `prepack`."""
         if len(native.layers) != len(self.layers):
             raise ValueError(f"got 4-bit weights for {len(native.layers)} layers, the model has {len(self.layers)}")
-        for layer, weights in zip(self._decoder_layers(), native.layers):
+        for layer, weights in zip(self.decoder_layers(), native.layers):
             layer.use_int4(weights)
         self.finish_int4(native.lm_head)
 
@@ -379,6 +378,8 @@ class LlamaForCausalLM(nn.Module):
         packed weights were already written into (`huge_pages.SideBySide`), whose last slot
         takes a packed head (a head already in the kernel's layout is in its slot)."""
         self._native = True
+        if head is not None:
+            self._head_formats = stored_formats(head)
         if head is not None:
             shape = packed_shape(head) if isinstance(head, cpu.PackedWeight) else head.shape
             if shape != tuple(self.lm_head.shape):
@@ -405,10 +406,23 @@ class LlamaForCausalLM(nn.Module):
         if self._packed_embedding is not None and isinstance(packed_head, linear.PackedLMHead) and (
                 self.config.tie_word_embeddings and not isinstance(quantized_embedding, cpu.PackedWeight)):
             self._packed_embedding = packed_head.packed  # the head as placed, read by both
-        attention = self._attention_kinds
-        if len(attention) == 1 and attention[0].sliding_window is None and attention[0].logit_softcap is None:
-            steps = [layer.int4_steps for layer in self._decoder_layers()]
-            self._stack = Int4DecodeStack.create(steps, self.config.intermediate_size)
+
+    def weight_formats(self) -> dict[str, int]:
+        """How many parameters the model holds in each format, as its kernels run them: quantized
+        ones by GGUF type name (radixrt's own 4-bit layout, which reads Q4_0 and Q4_1 alike, as
+        Q4_1), dense ones by dtype ("BF16", "F32", "F16"). A tied embedding counts once."""
+        counts: Counter[str] = Counter()
+        for parameter in self.parameters():
+            if parameter.numel():
+                counts[_DTYPE_NAMES.get(parameter.dtype, str(parameter.dtype).removeprefix("torch."))] += parameter.numel()
+        for layer in self.decoder_layers():
+            counts.update(layer.quantized_formats)
+        counts.update(self._head_formats)
+        head = self._invariant_lm_head
+        embedding = self._packed_embedding
+        if embedding is not None and not (isinstance(head, linear.PackedLMHead) and head.packed is embedding):
+            counts.update(stored_formats(embedding))
+        return dict(sorted(counts.items()))
 
     def embedding_runs_quantized(self, format: int, shape: tuple[int, int]) -> bool:
         """Whether an embedding table of `format` (a GGUF type number) and `shape` can be looked up
@@ -419,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
         """Every layer's packed 4-bit weights and the packed LM head moved into one buffer on
         huge pages, in the order a step reads them (`memory.huge_pages`: fewer TLB misses a
         step; docs/benchmarks.md, "Huge pages for the packed weights")."""
-        layers = self._decoder_layers()
+        layers = self.decoder_layers()
         steps = [layer.int4_steps for layer in layers if layer.int4_steps is not None]
         if len(steps) != len(layers):
             return
@@ -437,7 +451,7 @@ class LlamaForCausalLM(nn.Module):
         super()._apply(fn, recurse)
         if not self.config.is_gemma:
             self.rms_norm = _rms_norm_for(self.device, self.dtype)
-            for layer in self._decoder_layers():
+            for layer in self.decoder_layers():
                 layer.rms_norm = self.rms_norm
         return self
 
@@ -449,15 +463,15 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
 
-    def _decoder_layers(self) -> list[LlamaDecoderLayer]:
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
 
     @functools.cached_property
-    def _attention_kinds(self) -> tuple[LayerAttention, ...]:
+    def attention_kinds(self) -> tuple[LayerAttention, ...]:
         """The distinct `LayerAttention`s of the layers, in layer order (worked out once: every
         step asks for them, and comparing every layer's dataclass each time showed in a step;
         docs/benchmarks.md, "Per-step Python")."""
-        return tuple(dict.fromkeys(layer.attention for layer in self._decoder_layers()))
+        return tuple(dict.fromkeys(layer.attention for layer in self.decoder_layers()))
 
     @functools.cached_property
     def _distinct_ropes(self) -> tuple[RotaryEmbedding, ...]:
@@ -467,35 +481,30 @@ class LlamaForCausalLM(nn.Module):
         """Why steps of this model through `backend` cannot be batch-invariant, or None if they can.
 
         Only radixrt's own kernels are invariant by construction (every row the same
-        instructions whatever the step holds), and they run on the CPU: on native 4-bit
-        weights the whole-stack kernel (a Llama without extras, the file's own quantized LM
-        head); on dense bf16 or float32 weights the rowwise matmul and the C attention
-        reading the pool, full or in a sliding window, without a score cap (RMSNorm:
+        instructions whatever the step holds), and they run on the CPU: on native packed
+        weights the quantized kernels (every projection, the file's own LM head); on dense
+        bf16 or float32 weights the rowwise matmul; and the C attention reading the pool,
+        full or in a sliding window, without a score cap (RMSNorm:
         radixrt's in bf16, torch's in float32 and Gemma's, whose rows are reduced alone:
         measured, and the tests check it).
         """
-        if not isinstance(backend, TorchAttentionBackend):
-            return (f"the {backend.name} attention backend is not batch-invariant; deterministic steps run "
-                    "on the CPU (attention_backend='torch' or 'auto')")
         if not backend.attends_segments:
-            return ("deterministic steps need radixrt's C attention reading the KV pool: a CPU where radixrt's "
-                    "kernels build with a C compiler, bfloat16 or float32, at most 16 query heads per KV head "
-                    "and heads of at most 256")
+            return (f"the {backend.name} attention backend is not batch-invariant here: deterministic steps need "
+                    "radixrt's C attention reading the KV pool (attention_backend='torch' or 'auto'): a CPU where "
+                    "radixrt's kernels build with a C compiler, bfloat16 or float32, at most 16 query heads per KV "
+                    "head and heads of at most 256")
         if self._native:
-            if self._stack is None and not all(layer.kernel_projections for layer in self._decoder_layers()):
-                return ("on native quantized weights deterministic steps need the whole-step C kernel: a plain "
-                        "Llama-family GGUF model whose every projection is in a packed format (Q4_0, Q4_1, Q5_0, "
+            if not all(layer.kernel_projections for layer in self.decoder_layers()):
+                return ("on native quantized weights deterministic steps need every projection in radixrt's "
+                        "kernels: a GGUF model whose every projection is in a packed format (Q4_0, Q4_1, Q5_0, "
                         "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and a C compiler (this model: "
                         f"{self.config.architecture}); weights='dense' runs them on the dense weights")
             if self._invariant_lm_head is None:
                 return ("deterministic steps need the GGUF file's LM head stored in a packed format (Q4_0, Q4_1, "
                         "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)")
-            if self._stack is None and any(kind.logit_softcap is not None for kind in self._attention_kinds):
-                return "deterministic steps do not cover soft-capped attention scores (Gemma 2) yet"
-            return None
-        if cpu.rowwise_matmul() is None:
+        elif cpu.rowwise_matmul() is None:
             return "deterministic steps on dense weights need radixrt's rowwise matmul: a C compiler"
-        if any(kind.logit_softcap is not None for kind in self._attention_kinds):
+        if any(kind.logit_softcap is not None for kind in self.attention_kinds):
             return "deterministic steps do not cover soft-capped attention scores (Gemma 2) yet"
         return None
 
@@ -505,7 +514,7 @@ class LlamaForCausalLM(nn.Module):
         quantized weights have theirs already (the whole-step kernel, or projections in the
         quantized matmul, whose rows do not depend on their batch)."""
         if self._native:  # quantized projections: radixrt's kernel, the same for a row in any batch
-            for layer in self._decoder_layers():
+            for layer in self.decoder_layers():
                 if layer.kernel_projections:  # never the dense products `linear.packed` takes for many rows
                     qkv, o, gate_up, down = (p.invariant() if isinstance(p, linear.PackedLinear) else p
                                              for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -513,128 +522,57 @@ class LlamaForCausalLM(nn.Module):
             return
         if self._invariant_lm_head is not None:
             return
-        for layer in self._decoder_layers():
+        for layer in self.decoder_layers():
             layer.use_rowwise()
         self._invariant_lm_head = linear.rowwise(self.lm_head, float_out=True)
 
-    def plan_attention(
-        self, batch: ForwardBatch, backend: AttentionBackend[Any], deterministic: bool = False
-    ) -> StepPlan:
-        """`backend`'s plans of this batch, one per distinct `LayerAttention` of the layers; or,
-        for a step the whole-stack kernel takes (every deterministic step on native weights:
-        check `deterministic_problem` first), its `StackedStep`."""
-        if deterministic:
-            assert isinstance(backend, TorchAttentionBackend)
-            min_shared, chunk = backend.shared_prefix_min_tokens, backend.attention_chunk
-            windows = {kind.sliding_window for kind in self._attention_kinds}
-            chunked = {w: aligned_attention_segments(batch, min_shared, chunk, w) for w in windows}
-            if self._stack is None:
-                return {kind: backend.plan_segments(chunked[kind.sliding_window], kind)
-                        for kind in self._attention_kinds}
-            (attention,) = self._attention_kinds
-            return StackedStep(chunked[None], backend.softmax_scale(attention))
-        if (self._stack is not None and batch.num_tokens <= STACK_MAX_ROWS
-                and isinstance(backend, TorchAttentionBackend) and backend.reads_pool_in_place):
-            (attention,) = self._attention_kinds
-            return StackedStep(attention_segments(batch, backend.shared_prefix_min_tokens),
-                               backend.softmax_scale(attention))
-        return {kind: backend.plan(batch, kind) for kind in self._attention_kinds}
-
     def forward(
-        self, batch: ForwardBatch, backend: AttentionBackend[Any], plans: StepPlan, deterministic: bool = False
+        self, batch: ForwardBatch, backend: AttentionBackend[Any], plans: Mapping[LayerAttention, Any],
+        deterministic: bool = False,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [batch.num_tokens, hidden_size].
 
-        `plans` must be `plan_attention(batch, backend, deterministic)` for this very batch;
-        every layer's attention stores its new K/V at `batch.out_slots`.
+        `plans` holds `backend`'s plan of this very batch for each of `attention_kinds`
+        (`executors.LayerByLayer.plan`); every layer's attention stores its new K/V at
+        `batch.out_slots`.
         """
-        if isinstance(plans, StackedStep):
-            assert self._stack is not None
-            hidden = self._stack.hidden_states(self._embedding_table(), self._rope_tables(batch), batch, backend.kv_cache,
-                                               plans.segments, plans.scale)  # fmt: skip
-            return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         hidden = self._embed(batch.input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
         # each distinct rope's tables once a step (Gemma 3: one for full layers, one for sliding ones)
         tables = {rope: rope.cos_sin(batch.positions, self.dtype) for rope in self._distinct_ropes}
-        for layer, rope in zip(self._decoder_layers(), self._layer_ropes):
+        for layer, rope in zip(self.decoder_layers(), self._layer_ropes):
             cos, signed_sin = tables[rope]
             hidden = layer.forward(hidden, cos, signed_sin, rope, batch, backend, plans[layer.attention],
                                    deterministic)
+        return self.final_norm(hidden)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of the last layer's hidden states."""
         return self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
-    def logits(
-        self, batch: ForwardBatch, backend: AttentionBackend[Any], plans: StepPlan, logit_rows: torch.Tensor,
-        deterministic: bool = False,
-    ) -> torch.Tensor:
-        """float32 logits [len(logit_rows), vocab_size] of rows of the step: `forward`, those rows,
-        `compute_logits`. A step the whole-stack kernel takes, with the file's own LM head in
-        radixrt's layout, runs all of it in one C call."""
-        head = self._head_for(logit_rows.shape[0], deterministic)
-        if isinstance(plans, StackedStep) and isinstance(head, linear.PackedLMHead):
-            assert self._stack is not None
-            return self._stack.logits(self._embedding_table(), self._rope_tables(batch), batch, backend.kv_cache,
-                                      plans.segments, plans.scale, self.norm, head.packed, logit_rows.contiguous())
-        hidden = self.forward(batch, backend, plans, deterministic)
-        return self.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)), deterministic)
-
-    def runs_decodes(self, backend: AttentionBackend[Any]) -> bool:
-        """Whether `decode_run` takes deterministic steps over this backend: native 4-bit weights
-        in the whole-stack kernel, the file's own LM head, radixrt's C attention."""
-        return (self._stack is not None and isinstance(self._invariant_lm_head, linear.PackedLMHead)
-                and isinstance(backend, TorchAttentionBackend) and self.config.final_logit_softcapping is None)
-
-    def decode_run(
-        self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[torch.Tensor],
-        sampling: cpu.RunSampling, num_steps: int, backend: AttentionBackend[Any],
-        interrupt: ctypes.c_int32 | None = None,
-    ) -> cpu.RunOutput:
-        """Up to `num_steps` deterministic decode steps in one call (check `runs_decodes` first):
-        sequence i's last token `tokens[i]` at `positions[i]`, its slots `slots[i]` for positions
-        0 .. positions[i] + num_steps - 1, sampled by `sampling` (`cpu.RunSampling`), stopping
-        early after a step that drew a stop token or saw `interrupt` set. Returns the steps'
-        tokens, log-probabilities and (if asked) top log-probabilities (`cpu.RunOutput`): what as
-        many `logits` steps and `Sampler.sample` give, bit for bit."""
-        assert self._stack is not None and isinstance(self._invariant_lm_head, linear.PackedLMHead)
-        assert isinstance(backend, TorchAttentionBackend)
-        (attention,) = self._attention_kinds
-        lengths = [slot_list.numel() for slot_list in slots]
-        starts = [0]
-        for length in lengths[:-1]:
-            starts.append(starts[-1] + length)
-        all_slots = torch.cat(list(slots))
-        chunk = backend.attention_chunk
-        owner, shared_chunks = list(range(len(tokens))), [0] * len(tokens)
-        if len(tokens) > 1:
-            for prefix in find_shared_prefixes(all_slots, starts, positions, backend.shared_prefix_min_tokens):
-                for member in prefix.members:
-                    owner[member], shared_chunks[member] = prefix.members[0], prefix.length // chunk
-        index = torch.tensor([*tokens, *positions, *starts, *owner, *shared_chunks], dtype=torch.int64)
-        count = len(tokens)
-        rows = cpu.RunRows(index[:count], index[count : 2 * count], all_slots, index[2 * count : 3 * count],
-                           index[3 * count : 4 * count], index[4 * count :], chunk)
-        tables = self.rope.tables(max(positions) + num_steps, self.dtype)
-        return self._stack.decode_run(self._embedding_table(), tables, backend.kv_cache,
-                                      backend.softmax_scale(attention),
-                                      self.norm, self._invariant_lm_head.packed, rows, sampling, num_steps,
-                                      interrupt)
-
-    def _embedding_table(self) -> torch.Tensor | cpu.PackedWeight:
+    def embedding_table(self) -> torch.Tensor | cpu.PackedWeight:
         """What token rows are looked up in: the dense embedding, or a packed one (the tied LM head,
         or the file's own table)."""
         return self.embed_tokens if self._packed_embedding is None else self._packed_embedding
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self._embedding_table()
+        table = self.embedding_table()
         if isinstance(table, torch.Tensor):
             return F.embedding(ids, table)
         matmul = cpu.quantized_matmul()
         assert matmul is not None  # a packed embedding is made only where it runs
         return matmul.rows(table, ids.cpu().reshape(-1)).to(self.dtype).view(*ids.shape, -1)
 
-    def _rope_tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope.tables(max(batch.seq_lens), self.dtype)
+    def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables of positions 0 .. num_positions - 1 (`RotaryEmbedding.tables`)."""
+        return self.rope.tables(num_positions, self.dtype)
+
+    @property
+    def invariant_lm_head(self) -> linear.Linear | None:
+        """The LM head deterministic steps use for any number of rows (None before
+        `prepare_deterministic` on dense weights): on native weights the file's own."""
+        return self._invariant_lm_head
 
     def compute_logits(self, hidden_rows: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """float32 logits [N, vocab_size] for N rows of `forward`'s output (soft-capped where the
@@ -702,7 +640,7 @@ class LlamaForCausalLM(nn.Module):
                 loader.load(layer, "k_norm", prefix + "self_attn.k_norm.weight")
         loader.finish()
         if loader.share:  # the linears over the parameters as they now are
-            for layer in self._decoder_layers():
+            for layer in self.decoder_layers():
                 layer._bind_linears(linear.plain)
             self._lm_head = linear.plain(self.lm_head)
 

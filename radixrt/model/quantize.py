@@ -140,7 +140,7 @@ def quantize_model(model: LlamaForCausalLM, quantize: str, dense: DenseProjectio
     if matmul is None:
         raise ValueError("quantize needs radixrt's quantized matmul (a C compiler)")
     bits = 8 if quantize == "q8_0" else 4
-    layers = model._decoder_layers()
+    layers = model.decoder_layers()
     shapes = [layer.projection_shapes() for layer in layers]
     head_shape = (int(head.shape[0]), int(head.shape[1]))
     runs_head = matmul.supports(head_shape)

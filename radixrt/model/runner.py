@@ -1,4 +1,4 @@
-"""One model step: plan the attention, run the layers, project the wanted rows to logits."""
+"""One model step: pick the executor, plan the step's attention, run it to the logits of the wanted rows."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from radixrt.kernels import cpu
 from radixrt.kernels.base import AttentionBackend
 from radixrt.kernels.forward_batch import ForwardBatch
 from radixrt.memory.kv_cache import KVCache
+from radixrt.model.executors import LayerByLayer, WholeStep
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.row_kernels import cpu_row_kernels
 
@@ -55,6 +56,8 @@ class ModelRunner:
     afterwards; None leaves it alone. `deterministic`: True makes every step
     batch-invariant (`LlamaForCausalLM.deterministic_problem` says why it cannot
     be: ValueError); "auto" where it can be, else not; `self.deterministic` says which.
+    Each step runs through one of two executors (`radixrt.model.executors`): the whole-step
+    kernel where it applies and `whole_steps` allows, else the model's layers one by one.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class ModelRunner:
         backend: AttentionBackend[Any],
         threads: StepThreads | None = None,
         deterministic: bool | str = False,
+        whole_steps: bool = True,
     ):
         config = model.config
         expected = (config.num_layers, config.num_kv_heads, config.head_dim)
@@ -88,6 +92,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
+        self.layer_steps = LayerByLayer(model, backend, self.deterministic)
+        self.whole_step = WholeStep.create(model, backend, self.deterministic) if whole_steps else None
         self.threads = threads if model.device.type == "cpu" else None
         # The sampler's compiled passes over this runner's logits rows (CPU rows only).
         self.row_kernels = (cpu_row_kernels(None if self.threads is None else self.threads.large)
@@ -105,20 +111,20 @@ class ModelRunner:
 
     @property
     def runs_decodes(self) -> bool:
-        """Whether `decode_run` can take this runner's decode batches (deterministic steps on
-        native 4-bit weights through radixrt's C kernels)."""
-        return self.deterministic and self.model.runs_decodes(self.backend)
+        """Whether `decode_run` can take this runner's decode batches (`WholeStep.runs_decodes`)."""
+        return self.whole_step is not None and self.whole_step.runs_decodes
 
     def decode_run(
         self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[torch.Tensor],
         sampling: cpu.RunSampling, num_steps: int, interrupt: ctypes.c_int32 | None = None,
     ) -> cpu.RunOutput:
         """Up to `num_steps` decode steps in one call, each sampling the next tokens (check
-        `runs_decodes` first): see `LlamaForCausalLM.decode_run`. Each step writes K/V at the
+        `runs_decodes` first): see `WholeStep.decode_run`. Each step writes K/V at the
         sequences' next slots, as `forward` does at `batch.out_slots`; a nonzero `interrupt`
         ends the run after the step that sees it."""
         with torch.inference_mode(), cpu.kernel_threads(None if self.threads is None else self.threads.large):
-            return self.model.decode_run(tokens, positions, slots, sampling, num_steps, self.backend, interrupt)
+            assert self.whole_step is not None
+            return self.whole_step.decode_run(tokens, positions, slots, sampling, num_steps, interrupt)
 
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [len(logit_rows), vocab_size] for rows of the batch's new tokens.
@@ -137,11 +143,16 @@ class ModelRunner:
             torch.set_num_threads(wanted)
         try:
             with torch.inference_mode(), cpu.kernel_threads(None if self.threads is None else self.threads.large):
-                plans = self.model.plan_attention(batch, self.backend, self.deterministic)
-                return self.model.logits(batch, self.backend, plans, logit_rows, self.deterministic)
+                return self.executor(batch).run(batch, logit_rows)
         finally:
             if wanted != previous:  # the thread count is the process's: leave it as found
                 torch.set_num_threads(previous)
+
+
+    def executor(self, batch: ForwardBatch) -> WholeStep | LayerByLayer:
+        """The executor that runs `batch`: the whole-step kernel where it takes the step, else the layers."""
+        whole = self.whole_step
+        return whole if whole is not None and whole.takes(batch) else self.layer_steps
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -46,6 +46,9 @@ class Runtime:
         # Read-only outside the engine thread: for introspection (model, device), never for driving it.
         self.engine: Engine = built.engine
         self._driver = EngineDriver(built.engine)
+        # How many of the model's parameters run in each format ("Q4_K", "Q6_K", "BF16", ...): a
+        # GGUF's mix as loaded, dense fallbacks included (`LlamaForCausalLM.weight_formats`).
+        self.weight_formats: dict[str, int] = built.engine.runner.model.weight_formats()
 
     # --- generation --------------------------------------------------------------
     def generate(

@@ -418,6 +418,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             "runtime_config": runtime.config.as_dict(),
             "deterministic": runtime.deterministic,  # what deterministic="auto" chose
             "kernel_isa": getattr(runtime, "kernel_isa", None),  # the CPU kernels' instruction set
+            "weight_formats": getattr(runtime, "weight_formats", None),  # parameters by the format they run in
             "cache_isolation": settings.cache_isolation,
             "max_queued_requests": settings.max_queued_requests,
             "api_key_required": bool(settings.api_keys),
