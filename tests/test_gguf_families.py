@@ -277,3 +277,11 @@ def test_bad_metadata_is_refused_naming_the_key(keys, message):
     file.metadata = {key: value for key, value in file.metadata.items() if value is not None}
     with pytest.raises(ValueError, match=message):
         gguf_config.hf_config(file)
+
+
+def test_generation_ends_at_the_end_of_turn_token_too():
+    file = metadata_file("gemma3")
+    file.metadata.update({"tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.eot_token_id": 106})
+    assert ModelConfig.from_hf(gguf_config.hf_config(file)).eos_token_ids == (1, 106)
+    file.metadata["tokenizer.ggml.eot_token_id"] = 1
+    assert ModelConfig.from_hf(gguf_config.hf_config(file)).eos_token_ids == (1,)

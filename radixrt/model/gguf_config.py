@@ -10,6 +10,7 @@ rope scaling), so the metadata is mapped here, for every family, into the fields
     {arch}.rope.freq_base, dimension_count (Phi-3: the rotated dims), scaling.type / factor /
         original_context_length / attn_factor, freq_base_swa (Gemma 3's sliding layers)
     {arch}.attention.sliding_window, sliding_window_pattern, attn_/final_logit_softcapping
+    tokenizer.ggml.eos/eot/eom_token_id: the tokens generation ends at
     tensors: output.weight absent = tied embeddings; attn_q.bias = attention biases;
         rope_factors_long/short.weight = Phi-3's longrope factors
 
@@ -39,6 +40,7 @@ _ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_END_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
 class MetadataConfig(dict):
@@ -97,7 +99,7 @@ def hf_config(file: GGUFFile) -> MetadataConfig:
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=count("context_length"),
         tie_word_embeddings="output.weight" not in file.tensors,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=_end_tokens(meta),
     )  # fmt: skip
     if arch in ("llama", "qwen3"):
         config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
@@ -189,6 +191,14 @@ def _gemma_layer_types(file: GGUFFile, arch: str, layers: int, window: int, key:
         raise ValueError(f"{file.path}: metadata {arch}.attention.sliding_window_pattern must be an integer >= 0 "
                          f"or a bool per layer, got {pattern!r}")
     return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _end_tokens(meta: dict[str, Any]) -> int | list[int] | None:
+    """The end-of-sequence token, and the end-of-turn/-message ones llama.cpp also stops at (a chat
+    model's generation config lists them beside it: Gemma's <end_of_turn>, Llama 3's <|eot_id|>)."""
+    ids = [meta[key] for key in _END_TOKEN_KEYS if isinstance(meta.get(key), int)]
+    ids = list(dict.fromkeys(ids))
+    return None if not ids else ids[0] if len(ids) == 1 else ids
 
 
 def _decimal(value: float) -> float:
