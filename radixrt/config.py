@@ -29,7 +29,7 @@ class RuntimeConfig:
         model's 4-bit (Q4_0/Q4_1) projections and Q4_0/Q4_1/Q8_0 LM head as
         stored and multiplies by them directly on the CPU, reading a quarter
         of the bytes per step (other types load dense, with a warning);
-        "auto" is native for a Llama-family GGUF model on the CPU in bfloat16
+        "auto" is native for a GGUF model (any supported family) on the CPU in bfloat16
         (where it is faster), dense otherwise.
     quantize: None, "q8_0" or "q4_0": quantize a dense model's projections
         (a Hugging Face folder, or a GGUF of F32/F16/BF16 tensors) at load,

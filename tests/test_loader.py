@@ -1,4 +1,4 @@
-"""Loading checkpoints: HF folders, GGUF files, the bundled SmolLM2 and its conversion cache."""
+"""Loading checkpoints: HF folders, GGUF files, the bundled SmolLM2; the GGUF conversion cache benchmarks use."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from radixrt.model import gguf_cache, gguf_loader
+from radixrt.model import gguf_cache, gguf_config, gguf_loader
 from radixrt.model.loader import (
     BUNDLED_MODEL_NAME,
     bundled_model_path,
@@ -62,7 +62,8 @@ def test_gguf_without_tokenizer_or_unsupported_architecture(tmp_path, monkeypatc
     monkeypatch.setenv(gguf_cache.CACHE_ENV_VAR, str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="no tokenizer data"):
         load_model(write_gguf(tmp_path / "notok.gguf", tokenizer=False))
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'; supported: llama, mistral, .*qwen2"):
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3, phi3, "
+                                         "gemma2, gemma3"):
         load_model(write_gguf(tmp_path / "gpt2.gguf", architecture="gpt2"))
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
@@ -128,9 +129,9 @@ def test_sharded_safetensors_and_bin_load_the_same_weights(tmp_path, tiny_llama_
 
 
 def test_conversion_failure_leaves_no_cache(tmp_path, monkeypatch):
-    """A GGUF of an architecture not read directly (qwen2) is converted through transformers: a
-    crash mid-conversion leaves neither a cache folder nor a temporary one; a temporary folder
-    orphaned by a dead process is cleaned up by the next conversion."""
+    """The conversion benchmarks use to give transformers a folder of a GGUF file: a crash
+    mid-conversion leaves neither a cache folder nor a temporary one; a temporary folder orphaned
+    by a dead process is cleaned up by the next conversion."""
     monkeypatch.setenv(gguf_cache.CACHE_ENV_VAR, str(tmp_path / "cache"))
     source = write_gguf(tmp_path / "tiny.gguf", architecture="qwen2")
     final = gguf_cache.cached_folder(source)
@@ -145,7 +146,7 @@ def test_conversion_failure_leaves_no_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gguf_cache, "_convert", crash)
     with pytest.raises(RuntimeError, match="killed"):
-        load_model(source)
+        gguf_cache.gguf_to_hf_folder(source)
     assert list(final.parent.iterdir()) == []
 
 
@@ -159,7 +160,7 @@ def test_bundled_model_loads_from_its_file_and_reuses_its_record(smollm2, monkey
     def no_transformers(*args: object) -> None:
         raise AssertionError("the start record should have been reused")
 
-    monkeypatch.setattr(gguf_loader, "_transformers_config", no_transformers)
+    monkeypatch.setattr(gguf_config.MetadataConfig, "transformers_config", no_transformers)
     monkeypatch.setattr(gguf_loader, "_transformers_tokenizer", no_transformers)
     again = load_model(dtype="bf16")
     assert again.path == smollm2.path and again.model.dtype == torch.bfloat16

@@ -1,12 +1,13 @@
-"""GGUF files of architectures radixrt does not read directly yet, converted once into a cached
-Hugging Face folder through transformers (a Llama-family GGUF is read in place: `gguf_loader`).
+"""A GGUF file converted once, through transformers, into a cached Hugging Face folder: for
+benchmarks, which give transformers-based peers (and tokenizer-only comparisons) a folder of the
+model radixrt reads from the file. radixrt itself never loads through it: every supported family
+is read in place (`gguf_loader`).
 
 transformers de-quantizes a GGUF checkpoint into an fp32 model; every later
-load would pay that again. So the first load writes what transformers
+use would pay that again. So the first use writes what transformers
 produced (config.json, model.safetensors in fp32, generation_config.json,
-tokenizer files with the chat template) into a cache folder and every load
-reads that folder like any other checkpoint. Benchmarks also use it to give
-transformers-based peers a folder.
+tokenizer files with the chat template) into a cache folder, read later like
+any other checkpoint.
 
     $RADIXRT_CACHE_DIR (default ~/.cache/radixrt)/
         <file stem>-<key>/        complete: renamed into place last

@@ -1,7 +1,11 @@
 """A GGUF model read straight from its file: no converted copy of the weights, on disk or in memory.
 
-    file ──mmap──► GGUFFile ──► config + tokenizer: the start record, or transformers over the
-       │                        metadata once (then recorded: `start_record`)
+Every family in `gguf_families.ARCHITECTURES` is read so: llama (Llama, SmolLM, Mistral as
+llama.cpp writes it), qwen2 (Qwen2, Qwen2.5), qwen3, phi3, gemma2 and gemma3 (the text model).
+
+    file ──mmap──► GGUFFile ──► config: the metadata, mapped per family (`gguf_config`)
+       │                   └──► tokenizer: the start record, or transformers over the metadata
+       │                        once (then recorded: `start_record`)
        │
        ├─ projections, LM head and embedding in a     ──► repacked from the file's blocks into the
        │  format with a packed layout (Q4_0, Q4_1,        formats' tile layouts (`cpu.PackedWeight`,
@@ -22,10 +26,11 @@ tensor names and shapes, memory for the weights plus the KV pool) is checked
 before the model is allocated, so a bad file leaves nothing half-loaded
 behind.
 
-llama.cpp's converter reorders the rows of each q and k projection for its
-rotary layout; they are put back in Hugging Face order (as transformers does),
-so the dense weights equal the ones the earlier transformers conversion wrote,
-bit for bit.
+What llama.cpp's converter changed is undone (`gguf_families`): a Llama's q and k rows
+reordered for its rotary layout are put back in Hugging Face order (as transformers does),
+Gemma's norms stored plus 1 get their 1 back, Phi-3's fused q/k/v and gate/up are our fused
+layout already. The dense weights equal the Hugging Face checkpoint the file was converted from,
+bit for bit, for an F32 file.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ import torch
 
 from radixrt.kernels import cpu
 from radixrt.memory import huge_pages
-from radixrt.model import gguf_int4, linear
+from radixrt.model import gguf_config, gguf_int4, linear
 from radixrt.model.config import ModelConfig
+from radixrt.model.gguf_families import ARCHITECTURES, layer_tensors, output_norm_shift, row_order
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
 from radixrt.model.gguf_int4 import PROJECTIONS, Int4Weight, Int8Weight
 from radixrt.model.gguf_plan import TensorPlan
@@ -52,7 +58,7 @@ from radixrt.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-NATIVE_ARCHITECTURES = ("llama",)
+NATIVE_ARCHITECTURES = tuple(ARCHITECTURES)
 _CHUNK_BYTES = 64 << 20  # float32 bytes dequantized at a time: a big embedding never doubles in memory
 
 
@@ -61,18 +67,20 @@ def is_native_architecture(file: GGUFFile) -> bool:
 
 
 def config_and_tokenizer(file: GGUFFile) -> tuple[ModelConfig, Any, Callable[[], Any]]:
-    """The model config, the tokenizer and a reader of the transformers config: from the file's
-    start record (no transformers import), else through transformers over the metadata, recorded."""
+    """The model config (from the file's metadata: `gguf_config`), the tokenizer (from the file's
+    start record, else through transformers over the metadata, recorded) and a reader of the
+    transformers config."""
+    hf_config = gguf_config.hf_config(file)
+    config = ModelConfig.from_hf(hf_config)
+    read_hf_config = functools.cache(hf_config.transformers_config)
     record = read_record(file)
     if record is not None:
         tokenizer = Tokenizer(record.tokenizer, functools.partial(_transformers_tokenizer, file.path))
-        return record.model_config(), tokenizer, functools.cache(functools.partial(_transformers_config, file.path))
-    hf_config = _transformers_config(file.path)
-    config = ModelConfig.from_hf(hf_config)
+        return config, tokenizer, read_hf_config
     hf_tokenizer = _transformers_tokenizer(file.path)
     written = write_record(file, hf_config, config, hf_tokenizer)
     tokenizer = hf_tokenizer if written is None else Tokenizer(written.tokenizer, lambda: hf_tokenizer)
-    return config, tokenizer, lambda: hf_config
+    return config, tokenizer, read_hf_config
 
 
 def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: torch.device,
@@ -95,15 +103,16 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
             embedding = _packed([plan.embedding], config, None)
         elif not tied_lookup:  # else its rows are looked up in the head
             dequantize_into(model.embed_tokens, file.tensors["token_embd.weight"])
-        dequantize_into(model.norm, file.tensors["output_norm.weight"])
+        _read_small(model.norm, [file.tensors["output_norm.weight"]], config, output_norm_shift(config))
         if not config.tie_word_embeddings and plan.head is None:  # else the head runs as stored
             dequantize_into(model.lm_head, file.tensors["output.weight"])
         file.release([file.tensors["token_embd.weight"]])
         model.prepack()
         placed = _packed_buffer(plan, dtype)
         for index, layer in enumerate(model.decoder_layers()):
-            dequantize_into(layer.input_norm, file.tensors[f"blk.{index}.attn_norm.weight"])
-            dequantize_into(layer.post_attention_norm, file.tensors[f"blk.{index}.ffn_norm.weight"])
+            for small in layer_tensors(config, index):  # norms, biases, q/k norms
+                _read_small(getattr(layer, small.attribute), [file.tensors[name] for name in small.names], config,
+                            small.shift)
             for fused, parts in plan.dense[index].items():
                 dense = torch.empty(layer.projection_shapes()[fused], dtype=dtype, device=device)
                 start = 0
@@ -243,22 +252,27 @@ def _int4(parts: list[GGUFTensor], config: ModelConfig) -> Int4Weight:
 
 
 def _row_order(tensor: GGUFTensor, config: ModelConfig) -> torch.Tensor | None:
-    """The rows that undo llama.cpp's rotary reordering, for a q or k projection."""
-    pieces = tensor.name.split(".")
-    kind = pieces[2] if len(pieces) > 2 and pieces[0] == "blk" else None
-    if kind not in ("attn_q", "attn_k"):
-        return None
-    return gguf_int4.unpermute_rows(tensor.shape[0], config.num_heads if kind == "attn_q" else config.num_kv_heads)
+    """The rows that undo llama.cpp's rotary reordering, for a Llama q or k projection."""
+    return row_order(tensor.name, config)
+
+
+def _read_small(destination: torch.Tensor, parts: list[GGUFTensor], config: ModelConfig, shift: float) -> None:
+    """`destination` = the parts' values (a norm, a bias: one row each) stacked, q/k biases put back
+    in Hugging Face order and the converter's `shift` taken off in float32 (`gguf_families`),
+    rounded once to its dtype."""
+    import gguf
+
+    values = []
+    for part in parts:
+        row = torch.from_numpy(np.array(gguf.quants.dequantize(part.data, part.qtype), dtype=np.float32)).view(-1)
+        order = row_order(part.name, config)
+        values.append(row if order is None else row[order])
+    whole = torch.cat(values)
+    destination.copy_(whole - shift if shift else whole)
 
 
 def _names(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])} and {len(names) - 3} more"
-
-
-def _transformers_config(path: Path) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def _transformers_tokenizer(path: Path) -> Any:

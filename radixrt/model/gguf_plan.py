@@ -19,16 +19,14 @@ import torch
 
 from radixrt.memory.kv_cache import KVShape
 from radixrt.model.config import ModelConfig
+from radixrt.model.gguf_families import IGNORED, layer_tensors, projection_parts
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
-from radixrt.model.gguf_int4 import LM_HEAD_TYPES, PROJECTIONS, SUPPORTED_TYPES
+from radixrt.model.gguf_int4 import LM_HEAD_TYPES, SUPPORTED_TYPES
 
 # Whether the native path runs a tensor as stored (its type and shape); the default, without
 # radixrt's packed kernels: the types torch's 4-bit kernel takes.
 Runs = Callable[[GGUFTensor], bool]
 DENSE_TYPES = ("F32", "F16", "BF16")
-
-# Tensors transformers does not read either (llama.cpp's precomputed rope factors): skipped, as there.
-IGNORED = ("rope_freqs.weight",)
 
 
 @dataclass
@@ -65,7 +63,7 @@ def plan_tensors(file: GGUFFile, config: ModelConfig, native: bool, runs: Runs |
     for index in range(config.num_layers):
         native_layer: dict[str, list[GGUFTensor]] = {}
         dense_layer: dict[str, list[GGUFTensor]] = {}
-        for fused, names in PROJECTIONS.items():
+        for fused, names in projection_parts(config).items():
             parts = [file.tensors[f"blk.{index}.{name}.weight"] for name in names]
             every = all(runs(part) for part in parts)
             (native_layer if native and every else dense_layer)[fused] = parts
@@ -138,20 +136,23 @@ def available_memory_bytes() -> int | None:
 
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a file of this config's family holds (`gguf_families`), and its shape."""
     hidden, head_dim, inner = config.hidden_size, config.head_dim, config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (config.vocab_size, hidden), "output_norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["output.weight"] = (config.vocab_size, hidden)
+    q_rows, kv_rows = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    rows = {"attn_q": q_rows, "attn_k": kv_rows, "attn_v": kv_rows, "attn_qkv": q_rows + 2 * kv_rows,
+            "attn_output": hidden, "ffn_gate": inner, "ffn_up": inner, "ffn_down": hidden}
+    inputs = {"attn_output": q_rows, "ffn_down": inner}
+    parts = projection_parts(config)
     for i in range(config.num_layers):
-        shapes.update({
-            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
-            f"blk.{i}.attn_q.weight": (config.num_heads * head_dim, hidden),
-            f"blk.{i}.attn_k.weight": (config.num_kv_heads * head_dim, hidden),
-            f"blk.{i}.attn_v.weight": (config.num_kv_heads * head_dim, hidden),
-            f"blk.{i}.attn_output.weight": (hidden, config.num_heads * head_dim),
-            f"blk.{i}.ffn_gate.weight": (inner, hidden), f"blk.{i}.ffn_up.weight": (inner, hidden),
-            f"blk.{i}.ffn_down.weight": (hidden, inner),
-        })  # fmt: skip
+        for fused, names in parts.items():
+            for name in names:
+                fused_rows = 2 * inner if fused == "gate_up" and len(names) == 1 else rows[name]  # Phi-3's gate and up
+                shapes[f"blk.{i}.{name}.weight"] = (fused_rows, inputs.get(name, hidden))
+        for tensor in layer_tensors(config, i):
+            shapes.update(zip(tensor.names, tensor.shapes))
     return shapes
 
 

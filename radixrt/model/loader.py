@@ -1,13 +1,12 @@
 """Load a checkpoint into our model: a Hugging Face folder, a .gguf file, or the bundled SmolLM2.
 
 transformers reads configs and tokenizers (with their chat templates); our
-`LlamaForCausalLM` runs them. A GGUF file of a Llama-family model
-(`general.architecture` "llama", the bundled SmolLM2 among them) is read
-directly, its tensors memory-mapped (`gguf_loader`); a GGUF of another
-supported architecture is still converted once, through transformers, into
-a cached Hugging Face folder (`gguf_cache`), with a warning. What transformers
-read from a folder's config and tokenizer, or a GGUF's metadata, is recorded
-on the first load (`start_record`), so later loads need not import it.
+`LlamaForCausalLM` runs them. A GGUF file of any supported family (Llama,
+SmolLM and Mistral as "llama", Qwen2/2.5, Qwen3, Phi-3, Gemma 2, Gemma 3; the
+bundled SmolLM2 among them) is read directly, its config from its metadata
+and its tensors memory-mapped (`gguf_loader`). What transformers read from a
+folder's config and tokenizer, or a GGUF's tokenizer, is recorded on the
+first load (`start_record`), so later loads need not import it.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ from radixrt.memory.kv_cache import KVShape
 from radixrt.model import gguf_loader, gguf_plan
 from radixrt.model import quantize as quantizer
 from radixrt.model.checkpoint import checkpoint_bytes, checkpoint_weights
-from radixrt.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from radixrt.model.gguf_cache import gguf_to_hf_folder
+from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_file import GGUFFile
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.start_record import read_record, write_record
@@ -65,8 +63,7 @@ _LOAD_BYTES_PER_S = 400 * 2**20
 class LoadedModel:
     """A ready model: our module (on its device, in its dtype) plus what surrounds it.
 
-    `path` is the folder or GGUF file the weights were read from (for a GGUF
-    of an architecture read through transformers: its converted folder).
+    `path` is the folder or GGUF file the weights were read from.
     `hf_config` is the transformers config, read on first access.
     """
 
@@ -172,7 +169,7 @@ def load_model(
     `weights="native"` runs a GGUF file's quantized projections and LM head
     as they are stored (CPU; see `gguf_loader`; types without a native kernel
     load dense with a WARNING); "dense" expands every weight to `dtype`;
-    "auto" is native where that is faster (a Llama-family GGUF on the CPU in
+    "auto" is native where that is faster (a GGUF on the CPU in
     bfloat16: torch's float32 4-bit kernel is slow) and dense elsewhere. `kv_pool_bytes(kv_shape)`, if given,
     is the KV pool the caller will allocate: a GGUF load checks that the
     weights and that pool fit in memory before allocating either. `quantize` "q8_0" or "q4_0"
@@ -208,26 +205,16 @@ def load_model(
         quantizer.check_dense_gguf(file, quantize)
         weights = "dense"
     if weights == "auto":  # tensors without a native kernel then load dense, with one WARNING
-        native = (file is not None and gguf_loader.is_native_architecture(file) and resolved_device.type == "cpu"
-                  and resolved_dtype == torch.bfloat16)
+        native = file is not None and resolved_device.type == "cpu" and resolved_dtype == torch.bfloat16
         weights = "native" if native else "dense"
     if weights == "native":
-        if file is None or not gguf_loader.is_native_architecture(file):
-            raise ValueError(
-                f"weights='native' needs a GGUF model of architecture {', '.join(gguf_loader.NATIVE_ARCHITECTURES)} "
-                f"with quantized projections; {name} is "
-                f"{'a Hugging Face folder' if file is None else repr(file.architecture)} (use weights='dense')"
-            )
+        if file is None:
+            raise ValueError(f"weights='native' needs a GGUF model with quantized projections; {name} is a "
+                             "Hugging Face folder (use weights='dense')")
         if resolved_device.type != "cpu":
             raise ValueError(f"weights='native' runs on the CPU (the quantized CPU kernels); device is {resolved_device}")
-    if file is not None and gguf_loader.is_native_architecture(file):
-        return _load_gguf(file, name, resolved_device, resolved_dtype, weights == "native", kv_pool_bytes, quantize)
     if file is not None:
-        logger.warning("%s: GGUF architecture %r is not read directly yet (only %s): converting it through "
-                       "transformers into a cached fp32 folder", name, file.architecture,
-                       ", ".join(gguf_loader.NATIVE_ARCHITECTURES))
-        del file  # its memory map: the conversion reads the file again
-        return _load_folder(gguf_to_hf_folder(source), name, resolved_device, resolved_dtype, quantize)
+        return _load_gguf(file, name, resolved_device, resolved_dtype, weights == "native", kv_pool_bytes, quantize)
     return _load_folder(source, name, resolved_device, resolved_dtype, quantize)
 
 
@@ -235,11 +222,9 @@ def load_model(
 def _checked_gguf(path: Path) -> GGUFFile:
     """The parsed file, if it is one radixrt can load: a supported architecture with tokenizer data."""
     file = GGUFFile(path)
-    supported = [*gguf_loader.NATIVE_ARCHITECTURES,
-                 *(a for a in dict.fromkeys(SUPPORTED_ARCHITECTURES.values()) if a not in gguf_loader.NATIVE_ARCHITECTURES)]
-    if file.architecture not in supported:
+    if not gguf_loader.is_native_architecture(file):
         raise ValueError(f"{path}: unsupported GGUF architecture {file.architecture!r}; supported: "
-                         f"{', '.join(supported)}")
+                         f"{', '.join(gguf_loader.NATIVE_ARCHITECTURES)} (Mistral files are 'llama')")
     if "tokenizer.ggml.model" not in file.metadata or "tokenizer.ggml.tokens" not in file.metadata:
         raise ValueError(
             f"{path} has no tokenizer data (tokenizer.ggml.*); radixrt needs a GGUF with an embedded "

@@ -35,8 +35,9 @@ from radixrt.config import QUANTIZE_TYPES
 from radixrt.kernels import cpu
 from radixrt.memory import huge_pages
 from radixrt.model.config import ModelConfig
+from radixrt.model.gguf_families import projection_parts, row_order
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
-from radixrt.model.gguf_int4 import GROUP_SIZE, PROJECTIONS, Int4Weight, Int8Weight, unpermute_rows
+from radixrt.model.gguf_int4 import GROUP_SIZE, Int4Weight, Int8Weight
 from radixrt.model.llama import LlamaForCausalLM, checkpoint_projections
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def quantize_gguf(model: LlamaForCausalLM, file: GGUFFile, config: ModelConfig, 
     dropped once it is quantized (`GGUFFile.release`)."""
 
     def parts(index: int, name: str) -> list[GGUFTensor]:
-        return [file.tensors[f"blk.{index}.{part}.weight"] for part in PROJECTIONS[name]]
+        return [file.tensors[f"blk.{index}.{part}.weight"] for part in projection_parts(config)[name]]
 
     head = file.tensors["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
     quantize_model(model, quantize, gguf_projection(file, config), gguf_rows(head),
@@ -226,17 +227,15 @@ def check_dense_gguf(file: GGUFFile, quantize: str) -> None:
 
 
 def gguf_projection(file: GGUFFile, config: ModelConfig) -> DenseProjection:
-    """A dense GGUF file's fused projection, its parts in their stored dtype and q/k rows put
-    back in Hugging Face order (llama.cpp's converter reorders them for its rotary layout)."""
+    """A dense GGUF file's fused projection, its parts in their stored dtype and a Llama's q/k rows
+    put back in Hugging Face order (llama.cpp's converter reorders them for its rotary layout)."""
 
     def projection(index: int, name: str) -> torch.Tensor:
         parts = []
-        for part in PROJECTIONS[name]:
+        for part in projection_parts(config)[name]:
             tensor = gguf_rows(file.tensors[f"blk.{index}.{part}.weight"])
-            if part in ("attn_q", "attn_k"):
-                heads = config.num_heads if part == "attn_q" else config.num_kv_heads
-                tensor = tensor[unpermute_rows(tensor.shape[0], heads)]
-            parts.append(tensor)
+            order = row_order(f"blk.{index}.{part}.weight", config)
+            parts.append(tensor if order is None else tensor[order])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     return projection
