@@ -15,6 +15,13 @@ the loader's functions; the phases sum to the start):
   engine        the rest of `Runtime(...)`: the KV pool, backend, engine thread
   first token   `generate` of one token for a short prompt
 
+Python modules start from their compiled bytecode, as an installed package
+does (`PYTHONPYCACHEPREFIX` under the run's folder, written by an untimed
+start first). `--first` measures the first start of the file instead: each
+radixrt start gets an empty cache folder (`RADIXRT_CACHE_DIR`) but the
+compiled kernels, so it reads config and tokenizer through transformers and
+writes the start record.
+
     python bench/start_bench.py /work/models/smollm2-1.7b-shape.Q4_K_M.gguf --runs 3
     python bench/start_bench.py MODEL --runs 3 --systems radixrt --checkouts /work/main /work/wt-start
 """
@@ -24,9 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -92,10 +101,17 @@ def llamacpp_worker(model: str, threads: int, kv_tokens: int) -> dict[str, float
 
 
 def run_one(system: str, python: str, checkout: str | None, args: argparse.Namespace) -> dict[str, float] | str:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
+               PYTHONPYCACHEPREFIX=str(args.scratch / "pycache"))
     env.pop("PYTHONPATH", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if checkout:
         env["PYTHONPATH"] = checkout
+    if system == "radixrt" and args.first:
+        cache = Path(tempfile.mkdtemp(dir=args.scratch))
+        kernels = Path(os.environ.get("RADIXRT_CACHE_DIR", Path.home() / ".cache" / "radixrt")) / "kernels"
+        (cache / "kernels").symlink_to(kernels)  # compiled kernels are not part of a model's first start
+        env["RADIXRT_CACHE_DIR"] = str(cache)
     env["BENCH_SPAWNED_AT"] = str(time.time())
     command = [python, str(Path(__file__).resolve()), "--worker", system, str(args.model), str(args.threads),
                str(args.kv_tokens)]
@@ -119,7 +135,9 @@ def main() -> None:
     parser.add_argument("--radixrt-python", default=sys.executable)
     parser.add_argument("--llamacpp-python", default="/work/llama-native-venv/bin/python")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--first", action="store_true", help="radixrt's first start of the file (no start record)")
     args = parser.parse_args()
+    args.scratch = Path(tempfile.mkdtemp(prefix="start-bench-"))
     with args.model.open("rb") as file:  # into the page cache
         while file.read(1 << 24):
             pass
@@ -128,6 +146,11 @@ def main() -> None:
     if "llamacpp" in args.systems:
         entries.append(("llama.cpp", "llamacpp", args.llamacpp_python, None))
     results: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in entries}
+    first = args.first
+    args.first = False
+    for label, system, python, checkout in entries:  # untimed: bytecode and start records written
+        run_one(system, python, checkout, args)
+    args.first = first
     for run in range(args.runs):
         for label, system, python, checkout in entries:
             result = run_one(system, python, checkout, args)
@@ -136,7 +159,10 @@ def main() -> None:
                 continue
             results[label].append(result)
             print(f"{label} run {run}: " + " ".join(f"{k} {v:.2f}" for k, v in result.items()), flush=True)
-    print(f"\n{args.model.name}, {args.threads} threads, medians of {args.runs} (load {os.getloadavg()[0]:.1f})")
+    shutil.rmtree(args.scratch, ignore_errors=True)
+    kind = "first start" if args.first else "later start"
+    print(f"\n{args.model.name}, {kind}, {args.threads} threads, medians of {args.runs} "
+          f"(load {os.getloadavg()[0]:.1f})")
     for label, runs in results.items():
         if runs:
             keys = ("start", *(p for p in PHASES if p in runs[0]))
