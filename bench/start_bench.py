@@ -15,6 +15,10 @@ the loader's functions; the phases sum to the start):
   engine        the rest of `Runtime(...)`: the KV pool, backend, engine thread
   first token   `generate` of one token for a short prompt
 
+and each start's CPU seconds (user + system, all threads, `getrusage`) are
+reported beside its wall seconds: on a shared machine the CPU time of a start
+moves much less with the other load than its wall time does.
+
 Python modules start from their compiled bytecode, as an installed package
 does (`PYTHONPYCACHEPREFIX` under the run's folder, written by an untimed
 start first). `--first` measures the first start of the file instead: each
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -42,6 +47,11 @@ from typing import Any
 
 PHASES = ("python+torch", "imports", "gguf header", "config+tok", "plan+memory", "build", "engine", "first token")
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def radixrt_worker(model: str, threads: int, kv_tokens: int) -> dict[str, float]:
@@ -82,7 +92,7 @@ def radixrt_worker(model: str, threads: int, kv_tokens: int) -> dict[str, float]
     done = time.time()
     if len(outputs[0]["output_ids"]) != 1:
         raise RuntimeError(f"expected one token, got {outputs[0]['output_ids']}")
-    result = {"start": done - spawned, "python+torch": marks["python+torch"] - spawned,
+    result = {"start": done - spawned, "cpu": cpu_seconds(), "python+torch": marks["python+torch"] - spawned,
               "imports": marks["imports"] - marks["python+torch"], **spans, "engine": engine,
               "first token": done - began}
     runtime.shutdown()
@@ -97,7 +107,7 @@ def llamacpp_worker(model: str, threads: int, kv_tokens: int) -> dict[str, float
                           verbose=False)
     for _ in llm.generate(PROMPT, top_k=0, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
         break
-    return {"start": time.time() - spawned}
+    return {"start": time.time() - spawned, "cpu": cpu_seconds()}
 
 
 def run_one(system: str, python: str, checkout: str | None, args: argparse.Namespace) -> dict[str, float] | str:
@@ -165,7 +175,7 @@ def main() -> None:
           f"(load {os.getloadavg()[0]:.1f})")
     for label, runs in results.items():
         if runs:
-            keys = ("start", *(p for p in PHASES if p in runs[0]))
+            keys = ("start", "cpu", *(p for p in PHASES if p in runs[0]))
             print(f"{label}: " + ", ".join(f"{k} {statistics.median(r[k] for r in runs):.2f}" for k in keys))
 
 
