@@ -4,7 +4,6 @@
  * unpacked to bytes (lane = row), the fp16 scales copied as stored. No value is rounded, so no
  * file block is refused. Rows come by address, so a caller fuses projections and reorders rows.
  */
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __BMI2__
@@ -172,21 +171,25 @@ static void pack_q6_k(const int64_t *r, int64_t u, uint8_t *o, int64_t f, int64_
 static void pack_q5_0(const int64_t *r, int64_t u, uint8_t *o, int64_t f, int64_t l) { pack_tiles(FORMAT_Q5_0, r, u, o, f, l); }
 static void pack_q5_1(const int64_t *r, int64_t u, uint8_t *o, int64_t f, int64_t l) { pack_tiles(FORMAT_Q5_1, r, u, o, f, l); }
 
-/* The tiles are split into equal runs, one per thread: a tile's bytes depend on its rows alone,
- * so the packed bytes are the same whatever the thread count. */
+/* The tiles are handed to the threads a few at a time, as each thread comes for more: a thread
+ * slowed by page faults or by another process on its core does not hold the others up. A
+ * tile's bytes depend on its rows alone, so the packed bytes are the same whatever the thread
+ * count and split. */
+#define PACK_CHUNK_TILES 4
 int kquant_pack_rows(int format, const int64_t *rows, int64_t num_rows, int64_t num_cols, uint8_t *out,
                      int num_threads) {
     if (!layout_serves(format) || num_rows % LAYOUT_TILE_ROWS || num_cols % layout_unit_inputs(format) ||
         num_rows < 0 || num_cols <= 0)
         return -2;
     const int64_t tiles = num_rows / LAYOUT_TILE_ROWS, units = num_cols / layout_unit_inputs(format);
+    const int64_t chunks = (tiles + PACK_CHUNK_TILES - 1) / PACK_CHUNK_TILES;
     void (*pack)(const int64_t *, int64_t, uint8_t *, int64_t, int64_t) =
         format == FORMAT_Q4_K ? pack_q4_k : format == FORMAT_Q5_K ? pack_q5_k : format == FORMAT_Q6_K ? pack_q6_k
         : format == FORMAT_Q5_0 ? pack_q5_0 : pack_q5_1;
-    #pragma omp parallel num_threads(num_threads > 1 && tiles > 1 ? num_threads : 1)
-    {
-        const int64_t thread = omp_get_thread_num(), count = omp_get_num_threads();
-        pack(rows, units, out, tiles * thread / count, tiles * (thread + 1) / count);
+    #pragma omp parallel for num_threads(num_threads > 1 && chunks > 1 ? num_threads : 1) schedule(dynamic, 1)
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        const int64_t first = chunk * PACK_CHUNK_TILES;
+        pack(rows, units, out, first, first + PACK_CHUNK_TILES < tiles ? first + PACK_CHUNK_TILES : tiles);
     }
     return 0;
 }
