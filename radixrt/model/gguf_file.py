@@ -11,15 +11,21 @@ against the file's length and the tensor's shape when the file is opened: a
 truncated or corrupt file is a ValueError naming the file (and the tensor),
 never a crash or a read past the end later. gguf's own `GGUFReader` turns
 each of the tokenizer's ~100k strings into a numpy array, which makes it
-several times slower (docs/model.md has the times); this reader keeps them
-as Python strings, and a warm start hashes only `metadata_bytes`.
+several times slower (docs/model.md has the times). This reader decodes a
+metadata value only when it is first read (`metadata` is a lazy mapping):
+opening a file walks the header once, stepping over the vocabulary's strings
+by their lengths, so a start whose tokenizer comes from the start record
+never builds them. Every length is still checked against the file when it
+is opened; a value that is not valid UTF-8 is a ValueError when it is read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +68,35 @@ class GGUFTensor:
         return int(self.data.size)
 
 
+_U32, _U64, _STRING_LENGTH = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<Q")
+_SIZES = {type_id: struct.calcsize("<" + fmt) for type_id, fmt in _SCALARS.items()}
+
+
+class GGUFMetadata(Mapping[str, Any]):
+    """The file's metadata, each value decoded from the mapped header on its first read (and
+    kept): keys and where their values lie are known from the walk at open."""
+
+    def __init__(self, file: GGUFFile, places: dict[str, tuple[int, int]]):
+        self._file = file
+        self._places = places  # key -> (value type, offset of the value)
+        self._values: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._values:
+            value_type, offset = self._places[key]
+            self._values[key] = self._file._decode(value_type, offset, key)[0]
+        return self._values[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._places
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._places)
+
+    def __len__(self) -> int:
+        return len(self._places)
+
+
 class GGUFFile:
     """The parsed header of `path` and views of its tensors (ValueError on a malformed file)."""
 
@@ -72,23 +107,29 @@ class GGUFFile:
                 self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as error:  # ValueError: an empty file cannot be mapped
             raise ValueError(f"{self.path} is not a readable GGUF file: {error}") from error
-        self._pos = 0
-        if self._take(4) != MAGIC:
+        if self._map[:4] != MAGIC:
             raise ValueError(f"{self.path} is not a readable GGUF file: it does not start with {MAGIC!r}")
-        version = self._scalar("I")
+        version = self._unpack(_U32, 4)
         if version not in VERSIONS:
             raise ValueError(f"{self.path}: GGUF version {version} is not supported (versions {VERSIONS})")
-        num_tensors, num_fields = self._scalar("Q"), self._scalar("Q")
-        self.metadata: dict[str, Any] = {}
+        num_tensors, num_fields = self._unpack(_U64, 8), self._unpack(_U64, 16)
+        places: dict[str, tuple[int, int]] = {}
+        position = 24
         for _ in range(num_fields):
-            key = self._string()
-            self.metadata[key] = self._value(self._scalar("I"), key)
-        self.metadata_end = self._pos
-        infos = [self._tensor_info() for _ in range(num_tensors)]
+            key, position = self._string(position)
+            value_type = self._unpack(_U32, position)
+            places[key] = (value_type, position + 4)
+            position = self._skip(value_type, position + 4, key)
+        self.metadata: Mapping[str, Any] = GGUFMetadata(self, places)
+        self.metadata_end = position
+        infos = []
+        for _ in range(num_tensors):
+            info, position = self._tensor_info(position)
+            infos.append(info)
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"{self.path}: general.alignment {alignment} is not a power of two")
-        start = -(-self._pos // alignment) * alignment
+        start = -(-position // alignment) * alignment
         self.tensors = self._check_layout(infos, start, alignment)
 
     @property
@@ -111,31 +152,28 @@ class GGUFFile:
 
     def _check_layout(self, infos: list[tuple[str, tuple[int, ...], int, int]], start: int,
                       alignment: int) -> dict[str, GGUFTensor]:
-        # gguf (a dependency) knows every ggml type's block; imported here, not with radixrt: a
-        # machine without it still runs everything but GGUF files
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
         tensors: dict[str, GGUFTensor] = {}
         spans = []
+        blocks = _ggml_blocks()
         for name, dims, type_id, offset in infos:
-            try:
-                qtype = GGMLQuantizationType(type_id)
-                block_size, block_bytes = GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
-                raise ValueError(f"{self.path}: tensor {name} has unknown ggml type {type_id}") from None
+            if type_id not in blocks:
+                raise ValueError(f"{self.path}: tensor {name} has unknown ggml type {type_id}")
+            type_name, block_size, block_bytes = blocks[type_id]
             if not dims or any(d <= 0 for d in dims) or dims[0] % block_size:
-                raise ValueError(f"{self.path}: tensor {name} ({qtype.name}) has shape {dims[::-1]}: its rows "
+                raise ValueError(f"{self.path}: tensor {name} ({type_name}) has shape {dims[::-1]}: its rows "
                                  f"must be whole blocks of {block_size}")
-            num_rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+            num_rows = 1
+            for d in dims[1:]:
+                num_rows *= d
             row_bytes = dims[0] // block_size * block_bytes
             begin, end = start + offset, start + offset + num_rows * row_bytes
             if offset % alignment or end > len(self._map):
-                raise ValueError(f"{self.path}: tensor {name} ({qtype.name}, shape {dims[::-1]}) needs bytes "
+                raise ValueError(f"{self.path}: tensor {name} ({type_name}, shape {dims[::-1]}) needs bytes "
                                  f"{begin}..{end} but the file has {len(self._map)}: truncated or corrupt")
             if name in tensors:
                 raise ValueError(f"{self.path}: tensor {name} is stored twice")
             data = np.frombuffer(self._map, dtype=np.uint8, count=end - begin, offset=begin)
-            tensors[name] = GGUFTensor(name, qtype.name, tuple(reversed(dims)), data.reshape(num_rows, row_bytes), begin)
+            tensors[name] = GGUFTensor(name, type_name, tuple(reversed(dims)), data.reshape(num_rows, row_bytes), begin)
             spans.append((begin, end, name))
         spans.sort()
         for (_, end, name), (begin, _, following) in zip(spans, spans[1:]):
@@ -144,46 +182,108 @@ class GGUFFile:
                                  "match its stored blocks (corrupt file)")
         return tensors
 
-    def _take(self, size: int) -> bytes:
-        end = self._pos + size
-        if size < 0 or end > len(self._map):
-            raise ValueError(f"{self.path}: the GGUF header ends early at byte {len(self._map)}: truncated or corrupt")
-        chunk = self._map[self._pos : end]
-        self._pos = end
-        return chunk
+    def _ends_early(self) -> ValueError:
+        return ValueError(f"{self.path}: the GGUF header ends early at byte {len(self._map)}: truncated or corrupt")
 
-    def _scalar(self, fmt: str) -> Any:
-        return struct.unpack("<" + fmt, self._take(struct.calcsize(fmt)))[0]
-
-    def _string(self) -> str:
-        length = self._scalar("Q")
-        if length > len(self._map):
-            raise ValueError(f"{self.path}: a string of {length} bytes in the header: truncated or corrupt")
+    def _unpack(self, unpacker: struct.Struct, position: int) -> Any:
         try:
-            return self._take(length).decode("utf-8")
+            return unpacker.unpack_from(self._map, position)[0]
+        except struct.error:
+            raise self._ends_early() from None
+
+    def _string(self, position: int) -> tuple[str, int]:
+        raw, position = self._string_bytes(position)
+        try:
+            return raw.decode("utf-8"), position
         except UnicodeDecodeError as error:
             raise ValueError(f"{self.path}: a header string is not UTF-8: corrupt") from error
 
-    def _value(self, value_type: int, key: str) -> Any:
-        if value_type in _SCALARS:
-            return self._scalar(_SCALARS[value_type])
-        if value_type == _STRING:
-            return self._string()
-        if value_type == _ARRAY:
-            item_type, count = self._scalar("I"), self._scalar("Q")
-            if item_type in _NUMPY:
-                item = np.dtype(_NUMPY[item_type]).newbyteorder("<")
-                raw = self._take(count * item.itemsize) if count <= len(self._map) else self._take(-1)
-                return np.frombuffer(raw, dtype=item).tolist()
-            if count > len(self._map):
-                self._take(-1)
-            return [self._value(item_type, key) for _ in range(count)]
-        raise ValueError(f"{self.path}: metadata {key} has unknown value type {value_type}: corrupt")
+    def _string_bytes(self, position: int) -> tuple[bytes, int]:
+        length = self._unpack(_STRING_LENGTH, position)
+        end = position + 8 + length
+        if end > len(self._map):
+            raise self._ends_early()
+        return self._map[position + 8 : end], end
 
-    def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
-        name = self._string()
-        num_dims = self._scalar("I")
+    def _skip(self, value_type: int, position: int, key: str) -> int:
+        """Where the value of `value_type` at `position` ends, every length checked against the file."""
+        size = len(self._map)
+        if value_type in _SIZES:
+            position += _SIZES[value_type]
+        elif value_type == _STRING:
+            position += 8 + self._unpack(_STRING_LENGTH, position)
+        elif value_type == _ARRAY:
+            item_type, count = self._unpack(_U32, position), self._unpack(_U64, position + 4)
+            position += 12
+            if item_type in _SIZES:
+                position += count * _SIZES[item_type]
+            elif item_type == _STRING:
+                if count > size:
+                    raise self._ends_early()
+                unpack = _STRING_LENGTH.unpack_from
+                try:
+                    for _ in range(count):  # the vocabulary: only its lengths are read
+                        position += 8 + unpack(self._map, position)[0]
+                except struct.error:
+                    raise self._ends_early() from None
+            else:
+                if count > size:
+                    raise self._ends_early()
+                for _ in range(count):
+                    position = self._skip(item_type, position, key)
+        else:
+            raise ValueError(f"{self.path}: metadata {key} has unknown value type {value_type}: corrupt")
+        if position > size:
+            raise self._ends_early()
+        return position
+
+    def _decode(self, value_type: int, position: int, key: str) -> tuple[Any, int]:
+        """The value of `value_type` at `position` (already walked by `_skip`), and where it ends."""
+        if value_type in _SCALARS:
+            return struct.unpack_from("<" + _SCALARS[value_type], self._map, position)[0], position + _SIZES[value_type]
+        if value_type == _STRING:
+            return self._string(position)
+        item_type, count = self._unpack(_U32, position), self._unpack(_U64, position + 4)
+        position += 12
+        if item_type in _NUMPY:
+            item = np.dtype(_NUMPY[item_type]).newbyteorder("<")
+            values = np.frombuffer(self._map, dtype=item, count=count, offset=position).tolist()
+            return values, position + count * item.itemsize
+        if item_type == _STRING:
+            items, map_ = [], self._map
+            unpack = _STRING_LENGTH.unpack_from
+            try:
+                for _ in range(count):
+                    end = position + 8 + unpack(map_, position)[0]
+                    items.append(map_[position + 8 : end].decode("utf-8"))
+                    position = end
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{self.path}: a string of metadata {key} is not UTF-8: corrupt") from error
+            return items, position
+        values = []
+        for _ in range(count):
+            value, position = self._decode(item_type, position, key)
+            values.append(value)
+        return values, position
+
+    def _tensor_info(self, position: int) -> tuple[tuple[str, tuple[int, ...], int, int], int]:
+        name, position = self._string(position)
+        num_dims = self._unpack(_U32, position)
         if num_dims > 8:
             raise ValueError(f"{self.path}: tensor {name} has {num_dims} dimensions: corrupt")
-        dims = tuple(self._scalar("Q") for _ in range(num_dims))
-        return name, dims, self._scalar("I"), self._scalar("Q")
+        try:
+            *dims, type_id, offset = struct.unpack_from(f"<{num_dims}QIQ", self._map, position + 4)
+        except struct.error:
+            raise self._ends_early() from None
+        return (name, tuple(dims), type_id, offset), position + 4 + 8 * num_dims + 12
+
+
+@functools.cache
+def _ggml_blocks() -> dict[int, tuple[str, int, int]]:
+    """Every ggml type gguf knows: type number -> (name, elements, bytes of a block). gguf (a
+    dependency) is imported here, not with radixrt: a machine without it still runs everything
+    but GGUF files."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return {int(qtype): (qtype.name, *GGML_QUANT_SIZES[qtype]) for qtype in GGMLQuantizationType
+            if qtype in GGML_QUANT_SIZES}

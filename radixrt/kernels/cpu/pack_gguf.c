@@ -10,7 +10,9 @@
  *
  * A Q4_0 row's offset is -8 d, exact in fp16 unless it overflows (|d| > 8192): then -1, nothing
  * promised about `out`. Rows come by address, so the caller fuses projections and reorders q/k
- * rows (llama.cpp's rotary order) for free.
+ * rows (llama.cpp's rotary order) for free. Tiles go to the threads a few at a time as each
+ * comes for more (a thread slowed by faults or another process holds no one up); a tile's bytes
+ * are its rows' alone, so every thread count writes the same bytes.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -52,7 +54,7 @@ int radixrt_pack_gguf_q4_rows(const int64_t *rows, const uint8_t *kinds, int64_t
         if (kinds[r] > 1) return -2;
     const int64_t tiles = num_rows / PACK_TILE_ROWS, groups = num_cols / PACK_GROUP;
     int status = 0;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : status)
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4) reduction(| : status)
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t g = 0; g < groups; g++) {
             uint8_t *block = out + (t * groups + g) * PACK_GROUP_BYTES;
@@ -91,7 +93,7 @@ int radixrt_pack_gguf_q8_rows(const int64_t *rows, int64_t num_rows, int64_t num
                               int num_threads) {
     if (num_rows % PACK_TILE_ROWS || num_cols % PACK_GROUP) return -2;
     const int64_t tiles = num_rows / PACK_TILE_ROWS, groups = num_cols / PACK_GROUP, block_bytes = 8 * 64 + 32;
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t g = 0; g < groups; g++) {
             uint8_t *block = out + (t * groups + g) * block_bytes;
