@@ -1,6 +1,7 @@
 """memory/huge_pages.py: the packed weights' shared buffer."""
 
 import gc
+import os
 import mmap
 
 import pytest
@@ -55,3 +56,38 @@ def test_a_kernel_that_refuses_huge_pages_still_gets_its_copies(monkeypatch):
     tensor = torch.arange(200, dtype=torch.uint8)
     (copy,) = huge_pages.side_by_side([tensor])
     assert torch.equal(copy, tensor)
+
+
+def anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "AnonHugePages:":
+            return int(fields[1]) * 1024
+    return 0
+
+
+def test_settled_weights_keep_their_bytes_and_move_onto_huge_pages_where_the_kernel_can():
+    """Written on small pages, then moved in the background (`settle`): the bytes a step reads
+    never change, and where the kernel collapses ranges (Linux 6.1, transparent huge pages on)
+    the buffer ends on huge pages."""
+    data = torch.randint(0, 256, (8 * huge_pages.HUGE_PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    placed = huge_pages.SideBySide([data.numel()])
+    copy = placed.place(data)
+    thread = huge_pages.settle()
+    assert thread is not None and huge_pages.settle() is None, "each buffer is settled once"
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert torch.equal(copy, data)
+    try:
+        enabled = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        release = tuple(int(part) for part in os.uname().release.split(".")[:2])
+    except (OSError, ValueError):
+        pytest.skip("no transparent huge pages to check here")
+    if "[never]" in enabled or release < (6, 1):
+        pytest.skip("this kernel collapses no ranges onto huge pages")
+    assert anon_huge_bytes(copy.data_ptr()) >= 4 * huge_pages.HUGE_PAGE

@@ -18,7 +18,7 @@ padded with unused tokens, so the token list matches the embedding's rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,7 +229,7 @@ def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), projection_ty
     return path
 
 
-def _token_list(source: dict[str, Any], vocab: int) -> tuple[list[str], list[int]]:
+def _token_list(source: Mapping[str, Any], vocab: int) -> tuple[list[str], list[int]]:
     """The source's tokens and their types, cut or padded to `vocab`: a padding token is unused
     (llama.cpp and transformers load it; no text maps to it)."""
     tokens = list(source["tokenizer.ggml.tokens"][:vocab])

@@ -6,39 +6,86 @@ model. Packed one by one, the weights sat on 4 KB pages wherever the
 allocator put them (torch's asks for huge pages only when
 THP_MEM_ALLOC_ENABLE is set, and most weights are below 2 MB anyway):
 ~24,000 pages a step, a TLB entry each. Copied into one buffer that Linux
-backs with transparent huge pages (asked for with `madvise` before the
-buffer is first touched), the layers' and the LM head's weights need a few
-dozen TLB entries instead, and the step is faster, most in the minutes when
-memory reads fast (docs/benchmarks.md, "Huge pages for the packed weights").
-Where the OS gives no huge pages the buffer is still one contiguous run.
+backs with transparent huge pages, the layers' and the LM head's weights
+need a few dozen TLB entries instead, and the step is faster, most in the
+minutes when memory reads fast (docs/benchmarks.md, "Huge pages for the
+packed weights"). Where the OS gives no huge pages the buffer is still one
+contiguous run.
+
+The buffer is written on 4 KB pages and moved onto huge pages afterwards, by
+a background thread at the lowest priority (`settle`: `MADV_COLLAPSE` a
+stretch at a time, then `MADV_HUGEPAGE` for what the kernel's own collapsing
+finds later). Faulting fresh huge pages in while loading made the start
+several times slower on virtual machines, where a never-touched 2 MB page
+costs the host a fault of its own (docs/benchmarks.md, "Start time from a
+GGUF file"); the first requests run on small pages, later ones on huge pages,
+with the same bytes throughout.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import threading
 from collections.abc import Sequence
 
 import torch
 
 HUGE_PAGE = 2 << 20
 ALIGNMENT = 64  # each copy starts on a cache line, as the kernels' loads expect
+MADV_COLLAPSE = 25  # Linux 6.1: back a range with huge pages now (EINVAL on older kernels: nothing happens)
+_COLLAPSE_STRETCH = 16 * HUGE_PAGE  # collapsed per call, so the thread yields between stretches
+
+_unsettled: list[mmap.mmap] = []  # buffers asked for on huge pages, not yet moved onto them (`settle`)
+_unsettled_lock = threading.Lock()
 
 
 def anonymous_bytes(num_bytes: int, huge: bool = False) -> torch.Tensor | None:
     """`num_bytes` of fresh private anonymous memory as a uint8 tensor that keeps it alive,
-    untouched (the kernel zeroes each page on first touch) and, if `huge`, advised onto huge
-    pages before that; None where the OS has no anonymous mappings (Windows)."""
+    untouched (the kernel zeroes each page on first touch) and, if `huge`, moved onto huge
+    pages by the next `settle`; None where the OS has no anonymous mappings (Windows)."""
     if not hasattr(mmap, "MAP_ANONYMOUS"):
         return None
     # MAP_PRIVATE: a shared anonymous mapping is shmem, which gets no transparent huge pages
     buffer = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        with _unsettled_lock:
+            _unsettled.append(buffer)
+    return torch.frombuffer(buffer, dtype=torch.uint8)[:num_bytes]
+
+
+def settle() -> threading.Thread | None:
+    """Move the buffers written since the last call onto huge pages, in a background thread at
+    the lowest priority (see the module docstring); returns it (None: nothing to move). The
+    buffers' bytes stay as they are: the kernel copies each stretch before remapping it."""
+    with _unsettled_lock:
+        buffers = _unsettled[:]
+        _unsettled.clear()
+    if not buffers:
+        return None
+    thread = threading.Thread(target=_collapse, args=(buffers,), name="radixrt-huge-pages", daemon=True)
+    thread.start()
+    return thread
+
+
+def _collapse(buffers: list[mmap.mmap]) -> None:
+    try:  # Linux: the priority of this thread alone
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+    for buffer in buffers:
+        if buffer.closed:
+            continue
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel built without transparent huge pages: 4 KB pages, same bytes
-            pass
-    return torch.frombuffer(buffer, dtype=torch.uint8)[:num_bytes]
+        except (OSError, ValueError):  # no transparent huge pages in this kernel: 4 KB pages, same bytes
+            continue
+        for start in range(0, len(buffer), _COLLAPSE_STRETCH):
+            try:
+                buffer.madvise(MADV_COLLAPSE, start, min(_COLLAPSE_STRETCH, len(buffer) - start))
+            except (OSError, ValueError):  # an older kernel, a partial stretch, or memory too fragmented
+                pass
 
 
 class SideBySide:
@@ -104,4 +151,5 @@ def side_by_side(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         copy = whole[first + start : first + start + tensor.numel()].view(tensor.shape)
         copy.copy_(tensor)
         copies.append(copy)
+    settle()
     return copies

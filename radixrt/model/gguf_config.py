@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -193,7 +194,7 @@ def _gemma_layer_types(file: GGUFFile, arch: str, layers: int, window: int, key:
     return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
-def _end_tokens(meta: dict[str, Any]) -> int | list[int] | None:
+def _end_tokens(meta: Mapping[str, Any]) -> int | list[int] | None:
     """The end-of-sequence token, and the end-of-turn/-message ones llama.cpp also stops at (a chat
     model's generation config lists them beside it: Gemma's <end_of_turn>, Llama 3's <|eot_id|>)."""
     ids = [meta[key] for key in _END_TOKEN_KEYS if isinstance(meta.get(key), int)]

@@ -131,6 +131,7 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
         model.finish_int4(_head(plan.head, placed, dtype, config), embedding, placed)
         file.release([t for t in (plan.head, plan.embedding) if t is not None])
     huge_pages.release_free_heap()
+    huge_pages.settle()
     return model
 
 

@@ -173,6 +173,7 @@ def quantize_model(model: LlamaForCausalLM, quantize: str, dense: DenseProjectio
                        "of 32) stay dense: %s", quantize,
                        ", ".join(dense_left + ([] if runs_head else [f"the LM head {head_shape}"])))
     huge_pages.release_free_heap()
+    huge_pages.settle()
 
 
 def quantize_checkpoint(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor], config: ModelConfig,
