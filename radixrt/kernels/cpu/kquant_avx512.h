@@ -1,7 +1,7 @@
 /*
  * What the AVX512-BF16 kernels over format_layout.h's tiles share (kquant_matmul_avx512.c, the
- * product; kquant_dequantize_avx512.c, the weight back as bf16): the code tables, a chunk's
- * decoding and a sub-block's scales. Included by AVX-512 builds only.
+ * product; kquant_dequantize_avx512.c, the weight back as bf16): the code tables (bf16 and
+ * int16), a chunk's decoding and a sub-block's scales. Included by AVX-512 builds only.
  */
 #ifndef RADIXRT_CPU_KQUANT_AVX512_H
 #define RADIXRT_CPU_KQUANT_AVX512_H
@@ -25,6 +25,19 @@ static inline Table code_table(int format) {
     Table t;
     t.low = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(values + 16), _mm512_loadu_ps(values));
     t.high = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(values + 48), _mm512_loadu_ps(values + 32));
+    return t;
+}
+
+/* The same 64 entries as 16-bit integers (q - bias), for integer dot products: decode_chunk with
+ * this table gives each code as an int16 lane instead of a bf16 one. */
+static inline Table integer_table(int format) {
+    const int bias = format == FORMAT_Q6_K ? 32 : format == FORMAT_Q5_0 ? 16 : 0;
+    const int wrap = format == FORMAT_Q4_K ? 16 : 64;
+    int16_t values[64];
+    for (int i = 0; i < 64; i++) values[i] = (int16_t)(i % wrap - bias);
+    Table t;
+    t.low = _mm512_loadu_si512(values);
+    t.high = _mm512_loadu_si512(values + 32);
     return t;
 }
 
