@@ -244,13 +244,13 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) TileConfig;
 
-/* tmm0, tmm1: the high and low planes' int32 sums, 16 x 16; tmm2, tmm3: the planes' 16 rows of
- * `inputs` bytes; tmm4: the codes, inputs / 4 rows of 16 outputs x 4 */
+/* tmm0, tmm1 and tmm5, tmm6: the high and low planes' int32 sums, 16 x 16; tmm2, tmm3: the planes'
+ * 16 rows of `inputs` bytes; tmm4: the codes, inputs / 4 rows of 16 outputs x 4 */
 static void configure_tiles(int inputs) {
     TileConfig config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int i = 0; i < 2; i++) config.colsb[i] = 64, config.rows[i] = AMX_ROWS;
+    for (int i = 0; i < 2; i++) config.colsb[i] = config.colsb[i + 5] = 64, config.rows[i] = config.rows[i + 5] = AMX_ROWS;
     for (int i = 2; i < 4; i++) config.colsb[i] = (uint16_t)inputs, config.rows[i] = AMX_ROWS;
     config.colsb[4] = 64, config.rows[4] = (uint8_t)(inputs / 4);
     _tile_loadconfig(&config);
@@ -303,34 +303,49 @@ static inline __attribute__((always_inline)) void amx_tile(int format, const uin
     for (int64_t u = 0; u < units; u++)
         for (int g = 0; g < unit_groups; g++)
             decode_group_bytes(format, first + u * unit_bytes, g, codes + (u * unit_groups + g) * 8 * 64);
+    const int64_t steps = units * unit_groups * subs;  /* sub-blocks of the tile's inputs */
     for (int64_t r0 = first_row; r0 < last_row; r0 += AMX_ROWS) {
         __m512 acc[AMX_ROWS];
         for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t u = 0; u < units; u++) {
-            const uint8_t *unit = first + u * unit_bytes;
-            const float *s = rows->scale + r0 * all_groups + u * unit_groups;
-            const float *offset_x = rows->offset_x + r0 * all_groups + u * unit_groups;
-            for (int g = 0; g < unit_groups; g++) {
-                const int64_t group = u * unit_groups + g;
-                for (int h = 0; h < subs; h++) {
-                    const int64_t at = plane_at(r0, LAYOUT_GROUP * group + sub_inputs * h, num_cols);
+        /* Sub-block i's products go to tmm0, tmm1 (i even) or tmm5, tmm6 (odd) while sub-block
+         * i - 1's sums are stored and scaled: the tiles' work overlaps the vector work. */
+        for (int64_t i = 0; i <= steps; i++) {
+            if (i < steps) {
+                const int64_t at = plane_at(r0, sub_inputs * i, num_cols);
+                const int8_t *own = codes + i * sub_inputs * 16;
+                _tile_loadd(2, rows->high + at, LAYOUT_GROUP);
+                _tile_loadd(3, rows->low + at, LAYOUT_GROUP);
+                _tile_loadd(4, own, 64);
+                if (i & 1) {
+                    _tile_zero(5);
+                    _tile_zero(6);
+                    _tile_dpbssd(5, 2, 4);
+                    _tile_dpbusd(6, 3, 4);
+                } else {
                     _tile_zero(0);
                     _tile_zero(1);
-                    _tile_loadd(2, rows->high + at, LAYOUT_GROUP);
-                    _tile_loadd(3, rows->low + at, LAYOUT_GROUP);
-                    _tile_loadd(4, codes + group * 8 * 64 + h * sub_inputs / 4 * 64, 64);
                     _tile_dpbssd(0, 2, 4);
                     _tile_dpbusd(1, 3, 4);
-                    _tile_stored(0, sums, 64);
-                    _tile_stored(1, sums + AMX_ROWS * 16, 64);
-                    __m512i dots[AMX_ROWS];
-                    for (int r = 0; r < AMX_ROWS; r++)
-                        dots[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * r), 8),
-                                                   _mm512_loadu_si512(sums + AMX_ROWS * 16 + 16 * r));
-                    scale_into(format, unit, subs * g + h, g, acc, dots, AMX_ROWS, s,
-                               h + 1 == subs ? offset_x : NULL, all_groups);
                 }
             }
+            if (i == 0) continue;
+            const int64_t j = i - 1, group = j / subs, u = group / unit_groups;
+            const int g = (int)(group % unit_groups), h = (int)(j % subs);
+            int32_t *own = sums + (j & 1) * 2 * AMX_ROWS * 16;
+            if (j & 1) {
+                _tile_stored(5, own, 64);
+                _tile_stored(6, own + AMX_ROWS * 16, 64);
+            } else {
+                _tile_stored(0, own, 64);
+                _tile_stored(1, own + AMX_ROWS * 16, 64);
+            }
+            __m512i dots[AMX_ROWS];
+            for (int r = 0; r < AMX_ROWS; r++)
+                dots[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(own + 16 * r), 8),
+                                           _mm512_loadu_si512(own + AMX_ROWS * 16 + 16 * r));
+            const int64_t first_group = r0 * all_groups + u * unit_groups;
+            scale_into(format, first + u * unit_bytes, subs * g + h, g, acc, dots, AMX_ROWS, rows->scale + first_group,
+                       h + 1 == subs ? rows->offset_x + first_group : NULL, all_groups);
         }
         for (int r = 0; r < AMX_ROWS; r++) {
             const int64_t at = (r0 + r) * out_stride + tile * LAYOUT_TILE_ROWS;
@@ -357,7 +372,7 @@ static void amx_tiles(int format, const uint8_t *tiles, int64_t units, const Int
 }
 
 static int64_t amx_scratch_bytes(int64_t m, int64_t num_cols) {
-    return 2 * m * num_cols + 64 + 16 * num_cols + 2 * AMX_ROWS * 16 * (int64_t)sizeof(int32_t);
+    return 2 * m * num_cols + 64 + 16 * num_cols + 4 * AMX_ROWS * 16 * (int64_t)sizeof(int32_t);
 }
 #else
 #define AMX_ROWS 16
