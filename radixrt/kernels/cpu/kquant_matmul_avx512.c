@@ -35,21 +35,6 @@
 #define X16_MAX 32767
 #define TINY 0x1p-64f  /* groups below it count as zeros: X16_MAX / max|x| stays finite */
 
-typedef struct {
-    const int16_t *x16;    /* [m][K] */
-    const float *scale;    /* [m][K / 32]: s */
-    const float *offset_x; /* [m][K / 32]: s * sum x16 over the group (the offsets' factor) */
-    const int8_t *high;    /* x16 >> 8 for the AMX tiles (NULL without them), plane_at's order */
-    const uint8_t *low;    /* x16 & 255, so that x16 = 256 high + low */
-} IntegerRows;
-
-/* Where input k of row r lies in a byte plane: each 16 rows' group of 32 inputs as one tile's
- * 16 x 32 bytes, one after another (a tile load reads 512 bytes in a row rather than 16 rows a
- * stride apart, which met in a few sets of L1). Rows of whole blocks of 16 only. */
-static inline int64_t plane_at(int64_t r, int64_t k, int64_t num_cols) {
-    return r / 16 * 16 * num_cols + k / LAYOUT_GROUP * 512 + r % 16 * LAYOUT_GROUP + k % LAYOUT_GROUP;
-}
-
 /* The m rows of x as 16-bit integers per group of 32, with each group's s and s times its sum of
  * x16: kquant_matmul_avx2.c's integer_rows, value for value. */
 static IntegerRows integer_rows(const uint16_t *x, int64_t x_stride, int64_t m, int64_t num_cols, void *scratch,
@@ -133,28 +118,6 @@ static inline __attribute__((always_inline)) void store_block(__m512 acc[][MAX_R
     }
 }
 
-/* acc[r] += scale * (s * float(dots[r])) for sub-block `sub` of the unit (group `group` of the
- * unit's inputs), and the group's offset term; the dots restart at zero */
-static inline __attribute__((always_inline)) void scale_into(int format, const uint8_t *unit, int sub, int group,
-                                                             __m512 *acc, __m512i *dots, int mb, const float *s,
-                                                             const float *offset_x, int64_t all_groups) {
-    __m512 offset = _mm512_setzero_ps();
-    const __m512 scale = sub_scales(format, unit, sub, &offset);
-    _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_set1_ps(s[r * all_groups + group]));
-        acc[r] = _mm512_fmadd_ps(scale, t, acc[r]);
-        dots[r] = _mm512_setzero_si512();
-    }
-    if (offset_x == NULL) return;  /* the group's first Q6_K sub-block */
-    if (format == FORMAT_Q5_1) {
-        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
-            acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(offset_x[r * all_groups + group]), acc[r]);
-    } else if (layout_has_offset(format)) {  /* - dmin m, exactly the AVX2 kernel's (-dmin) m */
-        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
-            acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(offset_x[r * all_groups + group]), acc[r]);
-    }
-}
-
 /* NT consecutive tiles times rows [r0, r0 + MB) of x: NT * MB independent chains of dot products. */
 static inline __attribute__((always_inline)) void format_block(
     int format, const uint8_t *tiles, int64_t units, const IntegerRows *rows, int64_t r0, int64_t num_cols,
@@ -208,178 +171,6 @@ static inline __attribute__((always_inline)) void format_block(
     store_block(acc, nt, mb, tile, out, out_stride, out_bf16);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-/*
- * Steps of AMX_ROWS rows and more (prefill chunks) on AMX's int8 tiles where the CPU has them: the
- * same integer sums, so the same bits as the VPDPWSSD blocks (and a row's result still does not
- * depend on its batch). x16 = 256 high + low (high signed, low unsigned bytes, integer_rows'
- * planes); a tile's codes, decoded once for every row of the step as bytes q - bias, are the B
- * operand: row kk of a sub-block's codes holds each output's 4 codes k = 4 kk .. 4 kk + 3. Per
- * sub-block (32 inputs; Q6_K 16) and 16 rows of x, TDPBSSD and TDPBUSD give the two planes'
- * int32 sums, 256 high_sum + low_sum is the VPDPWSSD blocks' integer, and scale_into applies
- * the same float32 steps.
- */
-#include <pthread.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define AMX_ROWS 16
-#define AMX_PANEL_BYTES (1 << 20)  /* a panel's byte planes: half of a core's L2 on the CPUs with AMX */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux lets a process use the tile registers only after it asks (the first tile instruction
- * faults otherwise): asked once; where refused, the VPDPWSSD blocks serve every step. */
-static int amx_granted;
-static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
-static void ask_for_amx(void) { amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
-static int amx_usable(void) {
-    pthread_once(&amx_once, ask_for_amx);
-    return amx_granted;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) TileConfig;
-
-/* tmm0, tmm1 and tmm5, tmm6: the high and low planes' int32 sums, 16 x 16; tmm2, tmm3: the planes'
- * 16 rows of `inputs` bytes; tmm4: the codes, inputs / 4 rows of 16 outputs x 4 */
-static void configure_tiles(int inputs) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int i = 0; i < 2; i++) config.colsb[i] = config.colsb[i + 5] = 64, config.rows[i] = config.rows[i + 5] = AMX_ROWS;
-    for (int i = 2; i < 4; i++) config.colsb[i] = (uint16_t)inputs, config.rows[i] = AMX_ROWS;
-    config.colsb[4] = 64, config.rows[4] = (uint8_t)(inputs / 4);
-    _tile_loadconfig(&config);
-}
-
-static inline __m512i shifted(__m512i v, int bits) {
-    return bits > 0 ? _mm512_slli_epi32(v, bits) : bits < 0 ? _mm512_srli_epi32(v, -bits) : v;
-}
-
-/*
- * Group g of a unit as 8 rows of 64 code bytes, row c = chunk c: a lane pair's 16 bits hold
- * q0 | q2 << 4 | q1 << 8 | q3 << 12 (format_layout.h), wanted as bytes q0, q1, q2, q3, so
- * (w | w << 12) & 0x0F0F0F0F; the high planes' bits move beside them the same way.
- */
-static inline __attribute__((always_inline)) void decode_group_bytes(int format, const uint8_t *unit, int g,
-                                                                    int8_t *out) {
-    const int high_bytes = layout_high_bytes(format);
-    const int bias = format == FORMAT_Q6_K ? 32 : format == FORMAT_Q5_0 ? 16 : 0;
-    const uint8_t *plane = unit + layout_high_at(format) + high_bytes * g;
-    _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
-        const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(unit + LAYOUT_NIBBLE_BYTES * g + 32 * c)));
-        __m512i codes = _mm512_and_si512(_mm512_or_si512(words, _mm512_slli_epi32(words, 12)), _mm512_set1_epi32(0x0F0F0F0F));
-        if (high_bytes == 64) {  /* q0, q2's bit 4 at 2 j, 2 j + 1; q1, q3's 8 higher (j = c % 4) */
-            const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(plane + 32 * (c / 4))));
-            const int j = c % 4;
-            codes = _mm512_or_si512(codes, _mm512_and_si512(shifted(high, 4 - 2 * j), _mm512_set1_epi32(0x00001010)));
-            codes = _mm512_or_si512(codes, _mm512_and_si512(shifted(high, 19 - 2 * j), _mm512_set1_epi32(0x10100000)));
-        } else if (high_bytes == 128) {  /* q0, q2's bits 4, 5 at 4 j, 4 j + 2; q1, q3's 8 higher (j = c % 2) */
-            const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(plane + 32 * (c / 2))));
-            const int j = c % 2;
-            codes = _mm512_or_si512(codes, _mm512_and_si512(shifted(high, 4 - 4 * j), _mm512_set1_epi32(0x00003030)));
-            codes = _mm512_or_si512(codes, _mm512_and_si512(shifted(high, 18 - 4 * j), _mm512_set1_epi32(0x30300000)));
-        }
-        if (bias) codes = _mm512_sub_epi8(codes, _mm512_set1_epi8((char)bias));
-        _mm512_storeu_si512(out + 64 * c, codes);
-    }
-}
-
-/* One tile times rows [first_row, last_row) of x (a multiple of AMX_ROWS); codes: the tile's
- * decoded bytes (K * 16), sums: 2 x 16 x 16 int32. */
-static inline __attribute__((always_inline)) void amx_tile(int format, const uint8_t *tiles, int64_t units,
-                                                          const IntegerRows *rows, int64_t first_row,
-                                                          int64_t last_row, int64_t num_cols, int64_t tile,
-                                                          int8_t *codes, int32_t *sums, float *out,
-                                                          int64_t out_stride, uint16_t *out_bf16) {
-    const int unit_bytes = layout_unit_bytes(format), unit_groups = layout_groups(format);
-    const int subs = format == FORMAT_Q6_K ? 2 : 1, sub_inputs = LAYOUT_GROUP / subs;
-    const int64_t all_groups = num_cols / LAYOUT_GROUP;
-    const uint8_t *first = tiles + tile * units * unit_bytes;
-    for (int64_t u = 0; u < units; u++)
-        for (int g = 0; g < unit_groups; g++)
-            decode_group_bytes(format, first + u * unit_bytes, g, codes + (u * unit_groups + g) * 8 * 64);
-    const int64_t steps = units * unit_groups * subs;  /* sub-blocks of the tile's inputs */
-    for (int64_t r0 = first_row; r0 < last_row; r0 += AMX_ROWS) {
-        __m512 acc[AMX_ROWS];
-        for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
-        /* Sub-block i's products go to tmm0, tmm1 (i even) or tmm5, tmm6 (odd) while sub-block
-         * i - 1's sums are stored and scaled: the tiles' work overlaps the vector work. */
-        for (int64_t i = 0; i <= steps; i++) {
-            if (i < steps) {
-                const int64_t at = plane_at(r0, sub_inputs * i, num_cols);
-                const int8_t *own = codes + i * sub_inputs * 16;
-                _tile_loadd(2, rows->high + at, LAYOUT_GROUP);
-                _tile_loadd(3, rows->low + at, LAYOUT_GROUP);
-                _tile_loadd(4, own, 64);
-                if (i & 1) {
-                    _tile_zero(5);
-                    _tile_zero(6);
-                    _tile_dpbssd(5, 2, 4);
-                    _tile_dpbusd(6, 3, 4);
-                } else {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_dpbssd(0, 2, 4);
-                    _tile_dpbusd(1, 3, 4);
-                }
-            }
-            if (i == 0) continue;
-            const int64_t j = i - 1, group = j / subs, u = group / unit_groups;
-            const int g = (int)(group % unit_groups), h = (int)(j % subs);
-            int32_t *own = sums + (j & 1) * 2 * AMX_ROWS * 16;
-            if (j & 1) {
-                _tile_stored(5, own, 64);
-                _tile_stored(6, own + AMX_ROWS * 16, 64);
-            } else {
-                _tile_stored(0, own, 64);
-                _tile_stored(1, own + AMX_ROWS * 16, 64);
-            }
-            __m512i dots[AMX_ROWS];
-            for (int r = 0; r < AMX_ROWS; r++)
-                dots[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(own + 16 * r), 8),
-                                           _mm512_loadu_si512(own + AMX_ROWS * 16 + 16 * r));
-            const int64_t first_group = r0 * all_groups + u * unit_groups;
-            scale_into(format, first + u * unit_bytes, subs * g + h, g, acc, dots, AMX_ROWS, rows->scale + first_group,
-                       h + 1 == subs ? rows->offset_x + first_group : NULL, all_groups);
-        }
-        for (int r = 0; r < AMX_ROWS; r++) {
-            const int64_t at = (r0 + r) * out_stride + tile * LAYOUT_TILE_ROWS;
-            if (out_bf16 != NULL)
-                _mm256_storeu_si256((__m256i *)(out_bf16 + at), (__m256i)_mm512_cvtneps_pbh(acc[r]));
-            else
-                _mm512_storeu_ps(out + at, acc[r]);
-        }
-    }
-}
-
-static void amx_tiles(int format, const uint8_t *tiles, int64_t units, const IntegerRows *rows, int64_t first_row,
-                      int64_t last_row, int64_t num_cols, int64_t tile, int8_t *codes, int32_t *sums, float *out,
-                      int64_t out_stride, uint16_t *out_bf16) {
-    switch (format) {
-#define CASE(F) \
-    case F: \
-        amx_tile(F, tiles, units, rows, first_row, last_row, num_cols, tile, codes, sums, out, out_stride, out_bf16); \
-        break;
-    CASE(FORMAT_Q4_K) CASE(FORMAT_Q5_K) CASE(FORMAT_Q6_K) CASE(FORMAT_Q5_0) CASE(FORMAT_Q5_1)
-#undef CASE
-    default: break;
-    }
-}
-
-static int64_t amx_scratch_bytes(int64_t m, int64_t num_cols) {
-    return 2 * m * num_cols + 64 + 16 * num_cols + 4 * AMX_ROWS * 16 * (int64_t)sizeof(int32_t);
-}
-#else
-#define AMX_ROWS 16
-static int amx_usable(void) { return 0; }
-static int64_t amx_scratch_bytes(int64_t m, int64_t num_cols) { (void)m, (void)num_cols; return 0; }
-#endif
-
 /* Tiles in the next block for mb rows, `left` tiles to go (quantized_matmul.c's tiles_per_block). */
 static inline int tiles_per_block(int mb, int64_t left) {
     int nt = mb <= 2 ? MAX_TILES : mb <= 4 ? 2 : 1;
@@ -404,37 +195,23 @@ static void run_block(int format, const uint8_t *tiles, int64_t units, const Int
 }
 
 int64_t kquant_matmul_scratch_bytes_avx512(int64_t m, int64_t num_cols) {
-    /* x16, then s and s sum x16 per 32 inputs; with AMX the byte planes, a tile's codes and sums */
+    /* x16, then s and s sum x16 per 32 inputs; for the AMX tiles the byte planes and theirs */
     return 64 + m * num_cols * (int64_t)sizeof(int16_t) + m * (num_cols / LAYOUT_GROUP) * 2 * (int64_t)sizeof(float) +
-           (m >= AMX_ROWS ? amx_scratch_bytes(m, num_cols) : 0);
+           (m >= AMX_ROWS ? 2 * m * num_cols + kquant_amx_scratch_bytes(num_cols) : 0);
 }
 
 void kquant_matmul_tiles_avx512(int format, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles,
                                 int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
                                 int64_t first_tile, int64_t last_tile) {
     if (m <= 0 || !layout_serves(format) || first_tile >= last_tile) return;
-    const int amx = m >= AMX_ROWS && amx_usable();
-    const int64_t full = amx ? m / AMX_ROWS * AMX_ROWS : 0;  /* rows the tiles take; the rest below */
+    const int64_t full = m >= AMX_ROWS && kquant_amx_usable() ? m / AMX_ROWS * AMX_ROWS : 0;  /* the tiles' rows */
     const IntegerRows rows = integer_rows(x, x_stride, m, num_cols, scratch, full);
     const int64_t units = num_cols / layout_unit_inputs(format);
     const Table table = integer_table(format);
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-    if (amx) {
-        int8_t *codes = (int8_t *)(((uintptr_t)(rows.low + m * num_cols) + 63) & ~(uintptr_t)63);
-        int32_t *sums = (int32_t *)(codes + 16 * num_cols);
-        /* Panels of rows whose byte planes stay in L2 while every tile of the range meets them (a
-         * tile's codes are decoded again for each panel). */
-        int64_t panel = AMX_PANEL_BYTES / (2 * num_cols) / AMX_ROWS * AMX_ROWS;
-        if (panel < AMX_ROWS) panel = AMX_ROWS;
-        configure_tiles(format == FORMAT_Q6_K ? 16 : LAYOUT_GROUP);
-        for (int64_t r0 = 0; r0 < full; r0 += panel)
-            for (int64_t tile = first_tile; tile < last_tile; tile++)
-                amx_tiles(format, tiles, units, &rows, r0, r0 + panel < full ? r0 + panel : full, num_cols, tile,
-                          codes, sums, out, num_rows, out_bf16);
-        _tile_release();
-    }
-#endif
-    /* A block of tiles is multiplied by every block of rows while its codes are in cache. */
+    if (full > 0)
+        kquant_amx_tiles(format, tiles, &rows, full, num_cols, first_tile, last_tile, (void *)(rows.low + m * num_cols),
+                         out, num_rows, out_bf16);
+    /* The rest: a block of tiles is multiplied by every block of rows while its codes are in cache. */
     for (int64_t tile = first_tile, nt; tile < last_tile; tile += nt) {
         nt = m - full <= MAX_ROWS ? tiles_per_block((int)(m - full), last_tile - tile) : 1;
         for (int64_t r = full; r < m; r += MAX_ROWS) {
