@@ -18,7 +18,9 @@
  * range and the threads, so a row's result does not depend on its batch.
  *
  * Blocks of tiles times up to MAX_ROWS rows of x, each decoded chunk used by every row of the
- * block; each tile's stream of codes asked for ahead of its loads.
+ * block; each tile's stream of codes asked for ahead of its loads. Steps of AMX_ROWS rows and
+ * more give all but their last M mod AMX_ROWS rows to kquant_matmul_amx.c's tiles where the CPU
+ * has them: the same integers, the same bits.
  */
 #include <stdint.h>
 #include <string.h>
