@@ -75,9 +75,9 @@ def error_bound(name: str, x: torch.Tensor, dense: torch.Tensor, file_rows: np.n
 
 def integer_inputs(name: str, portable: bool) -> bool:
     """True where the kernel run rounds inputs to 16-bit integers: the dispatched K-quant kernel
-    of an AVX2 build (below AVX-512)."""
+    of an AVX2 or AVX-512 build (kquant_matmul_avx2.c, kquant_matmul_avx512.c)."""
     library = cpu._load()
-    return name in NATIVE and not portable and library is not None and hasattr(library, "kquant_matmul_tiles_avx2")
+    return name in NATIVE and not portable and library is not None and cpu.isa() in ("avx2", "avx512")
 
 
 def kernel_variants(name: str) -> list[bool]:
@@ -236,3 +236,42 @@ def test_bad_formats_and_shapes_are_refused_and_write_nothing(kernels):
         kernels(torch.ones(1, 256, dtype=torch.bfloat16), weight)
     with pytest.raises(ValueError, match="rows"):
         kernels.dequantize(FormatWeight(weight.data, weight.format, 16, 512), 3, 3)
+
+
+def _avx512_and_avx2() -> tuple[FormatMatmul, FormatMatmul]:
+    from radixrt.kernels.cpu import build
+
+    if build.cpu_level() != "avx512":
+        pytest.skip("the CPU runs no AVX-512 build")
+    levels = build.library("avx512"), build.library("avx2")
+    if None in levels:
+        pytest.skip("the kernels cannot be built")
+    return FormatMatmul(levels[0]), FormatMatmul(levels[1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(NATIVE), tiles=st.integers(1, 5), blocks=st.integers(1, 3), m=st.integers(1, 300),
+       pad=st.integers(0, 40), seed=st.integers(0, 2**16), data=st.data())
+def test_the_avx512_kernel_gives_the_avx2_kernels_bits_and_a_row_its_own_at_any_batch(name, tiles, blocks, m, pad,
+                                                                                     seed, data):
+    """kquant_matmul_avx512.c is the AVX2 kernel's arithmetic (integer sums are exact, the float32
+    steps the same): equal bits at any M, x with a row stride; and row j's bits the same alone,
+    in a sub-batch starting elsewhere, and on 1-3 threads, up to hundreds of rows a step."""
+    avx512, avx2 = _avx512_and_avx2()
+    rng = np.random.default_rng(seed)
+    num_rows, num_cols = 16 * tiles, BLOCKS[FORMATS[name]][0] * blocks
+    m = min(m, 40) if seed % 3 else m
+    file_rows = torch.from_numpy(random_blocks(name, num_rows, num_cols, rng))
+    wide = avx512.pack_blocks(FORMATS[name], file_rows)
+    narrow = avx2.pack_blocks(FORMATS[name], file_rows)
+    x = torch.from_numpy(rng.standard_normal((m, num_cols + pad)).astype(np.float32)).to(torch.bfloat16)[:, :num_cols]
+    with cpu.kernel_threads(1):
+        whole = avx512(x, wide, torch.empty(m, num_rows))
+    assert torch.equal(whole, avx2(x, narrow, torch.empty(m, num_rows)))
+    j = data.draw(st.integers(0, m - 1))
+    start = data.draw(st.integers(0, j))
+    assert torch.equal(avx512(x[j : j + 1], wide, torch.empty(1, num_rows))[0], whole[j])
+    assert torch.equal(avx512(x[start:], wide, torch.empty(m - start, num_rows))[j - start], whole[j])
+    for threads in (2, 3):
+        with cpu.kernel_threads(threads):
+            assert torch.equal(avx512(x, wide, torch.empty(m, num_rows)), whole)

@@ -1,7 +1,8 @@
 /*
- * What the AVX512-BF16 kernels over format_layout.h's tiles share (kquant_matmul_avx512.c, the
- * product; kquant_dequantize_avx512.c, the weight back as bf16): the code tables, a chunk's
- * decoding and a sub-block's scales. Included by AVX-512 builds only.
+ * What the AVX-512 kernels over format_layout.h's tiles share (kquant_matmul_avx512.c and
+ * kquant_matmul_amx.c, the product; kquant_dequantize_avx512.c, the weight back as bf16): the
+ * code tables (bf16 and int16), a chunk's decoding, a sub-block's scales, the product's integer
+ * rows and its float32 steps. Included by AVX-512 builds only.
  */
 #ifndef RADIXRT_CPU_KQUANT_AVX512_H
 #define RADIXRT_CPU_KQUANT_AVX512_H
@@ -25,6 +26,19 @@ static inline Table code_table(int format) {
     Table t;
     t.low = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(values + 16), _mm512_loadu_ps(values));
     t.high = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(values + 48), _mm512_loadu_ps(values + 32));
+    return t;
+}
+
+/* The same 64 entries as 16-bit integers (q - bias), for integer dot products: decode_chunk with
+ * this table gives each code as an int16 lane instead of a bf16 one. */
+static inline Table integer_table(int format) {
+    const int bias = format == FORMAT_Q6_K ? 32 : format == FORMAT_Q5_0 ? 16 : 0;
+    const int wrap = format == FORMAT_Q4_K ? 16 : 64;
+    int16_t values[64];
+    for (int i = 0; i < 64; i++) values[i] = (int16_t)(i % wrap - bias);
+    Table t;
+    t.low = _mm512_loadu_si512(values);
+    t.high = _mm512_loadu_si512(values + 32);
     return t;
 }
 
@@ -76,5 +90,54 @@ static inline __attribute__((always_inline)) __m512 sub_scales(int format, const
         return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)scales))));
     return d;
 }
+
+/* A step's rows of x as 16-bit integers per group of 32 (kquant_matmul_avx512.c's integer_rows):
+ * what the VPDPWSSD blocks and the AMX tiles (kquant_matmul_amx.c) read. */
+typedef struct {
+    const int16_t *x16;    /* [m][K] */
+    const float *scale;    /* [m][K / 32]: s */
+    const float *offset_x; /* [m][K / 32]: s * sum x16 over the group (the offsets' factor) */
+    const int8_t *high;    /* x16 >> 8 for the AMX tiles (NULL without them), plane_at's order */
+    const uint8_t *low;    /* x16 & 255, so that x16 = 256 high + low */
+} IntegerRows;
+
+/* Where input k of row r lies in a byte plane: each 16 rows' group of 32 inputs as one tile's
+ * 16 x 32 bytes, one after another (a tile load reads 512 bytes in a row rather than 16 rows a
+ * stride apart, which met in a few sets of L1). Rows of whole blocks of 16 only. */
+static inline int64_t plane_at(int64_t r, int64_t k, int64_t num_cols) {
+    return r / 16 * 16 * num_cols + k / LAYOUT_GROUP * 512 + r % 16 * LAYOUT_GROUP + k % LAYOUT_GROUP;
+}
+
+/* acc[r] += scale * (s * float(dots[r])) for sub-block `sub` of the unit (group `group` of the
+ * unit's inputs), and the group's offset term; the dots restart at zero */
+static inline __attribute__((always_inline)) void scale_into(int format, const uint8_t *unit, int sub, int group,
+                                                             __m512 *acc, __m512i *dots, int mb, const float *s,
+                                                             const float *offset_x, int64_t all_groups) {
+    __m512 offset = _mm512_setzero_ps();
+    const __m512 scale = sub_scales(format, unit, sub, &offset);
+    _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_set1_ps(s[r * all_groups + group]));
+        acc[r] = _mm512_fmadd_ps(scale, t, acc[r]);
+        dots[r] = _mm512_setzero_si512();
+    }
+    if (offset_x == NULL) return;  /* the group's first Q6_K sub-block */
+    if (format == FORMAT_Q5_1) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
+            acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(offset_x[r * all_groups + group]), acc[r]);
+    } else if (layout_has_offset(format)) {  /* - dmin m, exactly the AVX2 kernel's (-dmin) m */
+        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
+            acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(offset_x[r * all_groups + group]), acc[r]);
+    }
+}
+
+/* kquant_matmul_amx.c: rows [0, full) of x (a multiple of AMX_ROWS) times tiles [first_tile,
+ * last_tile) on AMX's int8 tiles, the VPDPWSSD blocks' bits; scratch: kquant_amx_scratch_bytes.
+ * kquant_amx_usable is 0 where the build or the CPU has no AMX-INT8 or Linux refuses its state. */
+#define AMX_ROWS 16
+int kquant_amx_usable(void);
+int64_t kquant_amx_scratch_bytes(int64_t num_cols);
+void kquant_amx_tiles(int format, const uint8_t *tiles, const IntegerRows *rows, int64_t full, int64_t num_cols,
+                      int64_t first_tile, int64_t last_tile, void *scratch, float *out, int64_t out_stride,
+                      uint16_t *out_bf16);
 
 #endif

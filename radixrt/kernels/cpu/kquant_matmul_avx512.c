@@ -1,19 +1,26 @@
 /*
- * AVX512-BF16 product over format_layout.h's tiles (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), shaped as
- * quantized_matmul.c's 4-bit kernel: codes decoded to bf16 integers in registers by a permute of
- * a table, VDPBF16PS with (row, 2 inputs) lanes against broadcast bf16 input pairs, blocks of
- * tiles times up to 8 rows of x, each tile's stream of codes asked for ahead of its loads.
+ * AVX-512 product over format_layout.h's tiles (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1): kquant_matmul_avx2.c's
+ * arithmetic with AVX512-VNNI integer dot products, 16 output rows a vector.
  *
- * A lane's index into the table is its nibble with its high bits above it: one vpternlog picks
- * the nibble's 4 bits and the bits above from the high plane shifted into place (the permutes
- * read only the index's low 5 bits, 32 entries: Q5's q, or q - 16 for Q5_0; VPERMT2W its low 6,
- * 64 entries: Q6_K's q - 32). So the codes are exact small integers, their products with bf16
- * inputs exact in float32, and each sub-block's float32 sum is scaled once:
+ * Each row's inputs become 16-bit integers per group of 32 (x ~ s x16, s = max|x| / 32767, x16 =
+ * round(x / s)), as the AVX2 kernel rounds them. A chunk's codes are decoded in registers to
+ * int16 lanes L = 2 n + e by a permute of a table of q - bias (kquant_avx512.h: the index is the
+ * nibble with its high bits above it, so Q6_K's q - 32 and Q5_0's q - 16 come out of the table),
+ * and VPDPWSSD adds each lane pair's products with a broadcast (x16, x16) pair into row n's
+ * 32-bit lane: the sums are exact integers (|q x16| < 2^21, 32 of them a sum). Per sub-block and
+ * output, in float32,
  *
- *     acc += (d sc) * sum q x  -  (dmin m) * sum x      (Q6_K: per 16 inputs, no second term)
+ *     acc += (d sc) * (s * float(sum (q - bias) x16))  +  offset * (s * sum_group x16)
  *
- * d sc and dmin m are exact in float32. Every row runs the same instruction sequence whatever
- * M, the block shape and the tile range are, so a row's result does not depend on its batch.
+ * offset -dmin m (Q4_K, Q5_K) or m (Q5_1), in the AVX2 kernel's order: the two builds' results are
+ * the same bits. Exact integer sums make a row's result independent of how the work is blocked:
+ * every row runs the same float32 steps in the same order whatever M, the block shape, the tile
+ * range and the threads, so a row's result does not depend on its batch.
+ *
+ * Blocks of tiles times up to MAX_ROWS rows of x, each decoded chunk used by every row of the
+ * block; each tile's stream of codes asked for ahead of its loads. Steps of AMX_ROWS rows and
+ * more give all but their last M mod AMX_ROWS rows to kquant_matmul_amx.c's tiles where the CPU
+ * has them: the same integers, the same bits.
  */
 #include <stdint.h>
 #include <string.h>
@@ -27,11 +34,54 @@
 #define MAX_TILES 4
 #define MAX_ROWS 8
 #define PREFETCH_BYTES 5120  /* a block's bytes in flight, as quantized_matmul.c's 4-bit kernel */
+#define X16_MAX 32767
+#define TINY 0x1p-64f  /* groups below it count as zeros: X16_MAX / max|x| stays finite */
 
-static inline uint32_t load_pair(const uint16_t *p) {
-    uint32_t v;
+/* The m rows of x as 16-bit integers per group of 32, with each group's s and s times its sum of
+ * x16: kquant_matmul_avx2.c's integer_rows, value for value. */
+static IntegerRows integer_rows(const uint16_t *x, int64_t x_stride, int64_t m, int64_t num_cols, void *scratch,
+                                int64_t planes) {  /* planes: the rows to write byte planes of */
+    const int64_t groups = num_cols / LAYOUT_GROUP;
+    int16_t *x16 = (int16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *scale = (float *)(x16 + m * num_cols), *offset_x = scale + m * groups;
+    int8_t *high = planes ? (int8_t *)(offset_x + m * groups) : NULL;
+    uint8_t *low = planes ? (uint8_t *)(high + m * num_cols) : NULL;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *xs = x + r * x_stride + g * LAYOUT_GROUP;
+            __m512 v[2];
+            for (int i = 0; i < 2; i++)
+                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xs + 16 * i))), 16));
+            const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+            const int zero = !(largest >= TINY);
+            /* |x / s| <= X16_MAX up to the quotient's rounding; the narrowing saturates besides */
+            const __m512 inverse = _mm512_set1_ps(zero ? 0.0f : (float)X16_MAX / largest);
+            __m512i q[2];
+            for (int i = 0; i < 2; i++) {
+                q[i] = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse));
+                const __m256i narrow = _mm512_cvtsepi32_epi16(q[i]);
+                const int64_t at = r * num_cols + g * LAYOUT_GROUP + 16 * i;
+                _mm256_storeu_si256((__m256i *)(x16 + at), narrow);
+                if (r < planes) {
+                    const int64_t byte = plane_at(r, g * LAYOUT_GROUP + 16 * i, num_cols);
+                    _mm_storeu_si128((__m128i *)(high + byte), _mm256_cvtepi16_epi8(_mm256_srai_epi16(narrow, 8)));
+                    _mm_storeu_si128((__m128i *)(low + byte), _mm256_cvtepi16_epi8(narrow));  /* truncated: the low byte */
+                }
+            }
+            const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+            const float s = zero ? 0.0f : largest / (float)X16_MAX;
+            scale[r * groups + g] = s;
+            offset_x[r * groups + g] = s * (float)sum;  /* |sum| < 2^21: exact */
+        }
+    }
+    return (IntegerRows){x16, scale, offset_x, high, low};
+}
+
+static inline __m512i broadcast_pair(const int16_t *p) {
+    int32_t v;
     memcpy(&v, p, sizeof v);
-    return v;
+    return _mm512_set1_epi32(v);
 }
 
 /*
@@ -70,45 +120,27 @@ static inline __attribute__((always_inline)) void store_block(__m512 acc[][MAX_R
     }
 }
 
-/* acc[r] += scale * dots[r] for sub-block `sub` of the unit, and the offset term */
-static inline __attribute__((always_inline)) void scale_into(int format, const uint8_t *unit, int sub,
-                                                             __m512 *acc, __m512 *dots, int mb, const float *x_sums,
-                                                             int64_t groups) {
-    __m512 offset = _mm512_setzero_ps();
-    const __m512 scale = sub_scales(format, unit, sub, &offset);
-    _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) acc[r] = _mm512_fmadd_ps(scale, dots[r], acc[r]);
-    if (format == FORMAT_Q5_1) {
-        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
-            acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[r * groups + sub]), acc[r]);
-    } else if (layout_has_offset(format)) {
-        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++)
-            acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(x_sums[r * groups + sub]), acc[r]);
-    }
-}
-
-/*
- * NT consecutive tiles times MB rows of x: NT * MB independent chains of dot products. x_sums:
- * this block's rows' sums per group of 32 (the offset formats), already advanced to the unit.
- */
+/* NT consecutive tiles times rows [r0, r0 + MB) of x: NT * MB independent chains of dot products. */
 static inline __attribute__((always_inline)) void format_block(
-    int format, const uint8_t *tiles, int64_t units, const uint16_t *x, int64_t x_stride, const float *x_sums,
-    int64_t groups, int64_t tile, int nt, int mb, const Table *table, float *out, int64_t out_stride,
-    uint16_t *out_bf16
+    int format, const uint8_t *tiles, int64_t units, const IntegerRows *rows, int64_t r0, int64_t num_cols,
+    int64_t tile, int nt, int mb, const Table *table, float *out, int64_t out_stride, uint16_t *out_bf16
 ) {
     const int unit_bytes = layout_unit_bytes(format), unit_groups = layout_groups(format);
     const int high_bytes = layout_high_bytes(format), inputs = layout_unit_inputs(format);
-    const int64_t tile_bytes = units * unit_bytes;
+    const int64_t tile_bytes = units * unit_bytes, all_groups = num_cols / LAYOUT_GROUP;
     __m512 acc[MAX_TILES][MAX_ROWS];
     _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)
         _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) acc[t][r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < units; u++) {
         const uint8_t *unit = tiles + tile * tile_bytes + u * unit_bytes;
+        const int16_t *x16 = rows->x16 + r0 * num_cols + u * inputs;
+        const float *s = rows->scale + r0 * all_groups + u * unit_groups;
+        const float *offset_x = rows->offset_x + r0 * all_groups + u * unit_groups;
         for (int g = 0; g < unit_groups; g++) {
-            __m512 dots[MAX_TILES][MAX_ROWS];
-            __m512i high[MAX_TILES];
+            __m512i dots[MAX_TILES][MAX_ROWS], high[MAX_TILES];
             _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {
                 high[t] = _mm512_setzero_si512();
-                _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dots[t][r] = _mm512_setzero_ps();
+                _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dots[t][r] = _mm512_setzero_si512();
             }
             _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
                 _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {
@@ -124,22 +156,18 @@ static inline __attribute__((always_inline)) void format_block(
                     __m512bh a, b;
                     decode_chunk(format, bytes, high[t], c, table, &a, &b);
                     _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
-                        const uint16_t *xs = x + r * x_stride + u * inputs + 32 * g + 4 * c;
-                        dots[t][r] = _mm512_dpbf16_ps(dots[t][r], a, (__m512bh)_mm512_set1_epi32((int)load_pair(xs)));
-                        dots[t][r] = _mm512_dpbf16_ps(dots[t][r], b, (__m512bh)_mm512_set1_epi32((int)load_pair(xs + 2)));
+                        const int16_t *xs = x16 + r * num_cols + LAYOUT_GROUP * g + 4 * c;
+                        dots[t][r] = _mm512_dpwssd_epi32(dots[t][r], (__m512i)a, broadcast_pair(xs));
+                        dots[t][r] = _mm512_dpwssd_epi32(dots[t][r], (__m512i)b, broadcast_pair(xs + 2));
                     }
                 }
-                if (format == FORMAT_Q6_K && c == 3) {  /* the group's first sub-block of 16 */
-                    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {
-                        scale_into(format, unit + t * tile_bytes, 2 * g, acc[t], dots[t], mb, NULL, 0);
-                        _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dots[t][r] = _mm512_setzero_ps();
-                    }
-                }
+                if (format == FORMAT_Q6_K && c == 3)  /* the group's first sub-block of 16 */
+                    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)
+                        scale_into(format, unit + t * tile_bytes, 2 * g, g, acc[t], dots[t], mb, s, NULL, all_groups);
             }
             const int sub = format == FORMAT_Q6_K ? 2 * g + 1 : g;
             _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)
-                scale_into(format, unit + t * tile_bytes, sub, acc[t], dots[t], mb,
-                           x_sums == NULL ? NULL : x_sums + u * unit_groups, groups);
+                scale_into(format, unit + t * tile_bytes, sub, g, acc[t], dots[t], mb, s, offset_x, all_groups);
         }
     }
     store_block(acc, nt, mb, tile, out, out_stride, out_bf16);
@@ -152,12 +180,12 @@ static inline int tiles_per_block(int mb, int64_t left) {
     return nt;
 }
 
-static void run_block(int format, const uint8_t *tiles, int64_t units, const uint16_t *x, int64_t x_stride,
-                      const float *x_sums, int64_t groups, int64_t tile, int nt, int mb, const Table *table,
-                      float *out, int64_t out_stride, uint16_t *out_bf16) {
+static void run_block(int format, const uint8_t *tiles, int64_t units, const IntegerRows *rows, int64_t r0,
+                      int64_t num_cols, int64_t tile, int nt, int mb, const Table *table, float *out,
+                      int64_t out_stride, uint16_t *out_bf16) {
 #define BLOCK(F, NT, MB) \
     if (format == F && nt == NT && mb == MB) { \
-        format_block(F, tiles, units, x, x_stride, x_sums, groups, tile, NT, MB, table, out, out_stride, out_bf16); \
+        format_block(F, tiles, units, rows, r0, num_cols, tile, NT, MB, table, out, out_stride, out_bf16); \
         return; \
     }
 #define SHAPES(F) \
@@ -169,31 +197,29 @@ static void run_block(int format, const uint8_t *tiles, int64_t units, const uin
 }
 
 int64_t kquant_matmul_scratch_bytes_avx512(int64_t m, int64_t num_cols) {
-    return m * (num_cols / LAYOUT_GROUP) * (int64_t)sizeof(float);
+    /* x16, then s and s sum x16 per 32 inputs; for the AMX tiles the byte planes and theirs */
+    return 64 + m * num_cols * (int64_t)sizeof(int16_t) + m * (num_cols / LAYOUT_GROUP) * 2 * (int64_t)sizeof(float) +
+           (m >= AMX_ROWS ? 2 * m * num_cols + kquant_amx_scratch_bytes(num_cols) : 0);
 }
 
 void kquant_matmul_tiles_avx512(int format, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles,
                                 int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
                                 int64_t first_tile, int64_t last_tile) {
-    const int64_t groups = num_cols / LAYOUT_GROUP, units = num_cols / layout_unit_inputs(format);
-    const Table table = code_table(format);
-    float *x_sums = layout_has_offset(format) ? scratch : NULL;
-    if (x_sums != NULL) {  /* each row's sum over each group of 32 inputs, for the offset terms */
-        const __m512 ones = _mm512_castsi512_ps(_mm512_set1_epi16((short)0x3F80));
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t g = 0; g < groups; g++) {
-                const __m512bh values = (__m512bh)_mm512_loadu_si512(x + r * x_stride + g * LAYOUT_GROUP);
-                x_sums[r * groups + g] = _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), values, (__m512bh)ones));
-            }
-    }
-    /* A block of tiles is multiplied by every block of 8 rows while its codes are in cache. */
+    if (m <= 0 || !layout_serves(format) || first_tile >= last_tile) return;
+    const int64_t full = m >= AMX_ROWS && kquant_amx_usable() ? m / AMX_ROWS * AMX_ROWS : 0;  /* the tiles' rows */
+    const IntegerRows rows = integer_rows(x, x_stride, m, num_cols, scratch, full);
+    const int64_t units = num_cols / layout_unit_inputs(format);
+    const Table table = integer_table(format);
+    if (full > 0)
+        kquant_amx_tiles(format, tiles, &rows, full, num_cols, first_tile, last_tile, (void *)(rows.low + m * num_cols),
+                         out, num_rows, out_bf16);
+    /* The rest: a block of tiles is multiplied by every block of rows while its codes are in cache. */
     for (int64_t tile = first_tile, nt; tile < last_tile; tile += nt) {
-        nt = m <= MAX_ROWS ? tiles_per_block((int)m, last_tile - tile) : 1;
-        for (int64_t r = 0; r < m; r += MAX_ROWS) {
+        nt = m - full <= MAX_ROWS ? tiles_per_block((int)(m - full), last_tile - tile) : 1;
+        for (int64_t r = full; r < m; r += MAX_ROWS) {
             const int mb = m - r >= MAX_ROWS ? MAX_ROWS : (int)(m - r);
-            run_block(format, tiles, units, x + r * x_stride, x_stride, x_sums == NULL ? NULL : x_sums + r * groups,
-                      groups, tile, (int)nt, mb, &table, out == NULL ? NULL : out + r * num_rows, num_rows,
-                      out_bf16 == NULL ? NULL : out_bf16 + r * num_rows);
+            run_block(format, tiles, units, &rows, r, num_cols, tile, (int)nt, mb, &table,
+                      out == NULL ? NULL : out + r * num_rows, num_rows, out_bf16 == NULL ? NULL : out_bf16 + r * num_rows);
         }
     }
 }
