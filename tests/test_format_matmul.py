@@ -76,7 +76,7 @@ def error_bound(name: str, x: torch.Tensor, dense: torch.Tensor, file_rows: np.n
 def integer_inputs(name: str, portable: bool) -> bool:
     """True where the kernel run rounds inputs to 16-bit integers: the dispatched K-quant kernel
     of an AVX2 or AVX-512 build (kquant_matmul_avx2.c, kquant_matmul_avx512.c)."""
-    library = cpu._load()
+    library = cpu.load_library()
     return name in NATIVE and not portable and library is not None and cpu.isa() in ("avx2", "avx512")
 
 
@@ -152,7 +152,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernels, name, tiles, m, see
 
 
 def tiles_function(portable: bool) -> ctypes._CFuncPtr:
-    library = cpu._load()
+    library = cpu.load_library()
     assert library is not None
     function = getattr(library, "radixrt_format_matmul_tiles" + ("_portable" if portable else ""))
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
@@ -173,7 +173,7 @@ def test_a_tile_range_writes_its_columns_only_with_the_whole_products_bits(kerne
     x = torch.from_numpy(rng.standard_normal((m, num_cols)).astype(np.float32)).to(torch.bfloat16)
     first = data.draw(st.integers(0, tiles - 1))
     last = data.draw(st.integers(first + 1, tiles))
-    library = cpu._load()
+    library = cpu.load_library()
     assert library is not None
     library.radixrt_format_matmul_scratch_bytes.restype = ctypes.c_int64
     scratch_bytes = library.radixrt_format_matmul_scratch_bytes(number, ctypes.c_int64(m), ctypes.c_int64(num_cols))
@@ -198,7 +198,7 @@ def test_packed_bytes_stay_near_the_files(kernels):
 
 
 def test_bad_formats_and_shapes_are_refused_and_write_nothing(kernels):
-    library = cpu._load()
+    library = cpu.load_library()
     assert library is not None
     pack = library.radixrt_pack_format_rows
     pack.argtypes, pack.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,

@@ -31,7 +31,7 @@ class Team(ctypes.Structure):
 def library() -> ctypes.CDLL:
     if cpu.decode_stack() is None:
         pytest.skip("no C compiler or no AVX512-BF16 on this CPU: no whole-step kernels")
-    library = cpu._load()
+    library = cpu.load_library()
     assert library is not None
     library.radixrt_product_tiles.argtypes = [ctypes.c_void_p, ctypes.POINTER(Team), ctypes.c_int, ctypes.c_int64,
                                               ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]

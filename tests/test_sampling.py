@@ -396,7 +396,7 @@ def test_top_tokens_break_ties_by_token_in_torch_and_in_a_decode_run(values, k, 
     assert got_values[0].tolist() == [float(values[j]) for j in order]
     if cpu.decode_run() is None:
         return  # no whole-step kernels on this CPU: runs never report top log-probs
-    library = cpu._load()
+    library = cpu.load_library()
     tokens, logprobs = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.float32)
     library.radixrt_top_row.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                         ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip

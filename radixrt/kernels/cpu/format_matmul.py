@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixrt.kernels.cpu import _load, _threads
+from radixrt.kernels.cpu.library import call_threads, load_library
 from radixrt.kernels.cpu.formats import FORMATS as TABLE
 from radixrt.kernels.cpu.formats import BLOCKS, PACKED, TYPE_NUMBERS, WeightFormat
 
@@ -73,7 +73,7 @@ class FormatMatmul:
         if data.numel() != size or not data.is_contiguous() or data.dtype != torch.uint8:
             raise ValueError(f"out must be {size} contiguous bytes")
         rows = rows.to(torch.int64).contiguous()
-        status = self._pack(format, rows.data_ptr(), num_rows, num_cols, data.data_ptr(), _threads())
+        status = self._pack(format, rows.data_ptr(), num_rows, num_cols, data.data_ptr(), call_threads())
         if status == -1:
             raise ValueError("a Q4_0 block's offset (-8 times its scale) does not fit in float16")
         if status == -3:
@@ -106,7 +106,7 @@ class FormatMatmul:
                 raise ValueError(f"out must be a contiguous float32 [{rows}, {weight.num_rows}]")
             result, out_f32, out_bf16 = out, out.data_ptr(), 0
         status = self._matmul(weight.format, int(portable), x.data_ptr(), x.stride(0), rows, weight.data.data_ptr(),
-                              weight.num_rows, num_cols, out_f32, out_bf16, _threads())
+                              weight.num_rows, num_cols, out_f32, out_bf16, call_threads())
         if status == -1:
             raise MemoryError("format matmul kernel could not allocate its scratch")
         if status:
@@ -127,13 +127,13 @@ class FormatMatmul:
 
 def format_matmul() -> FormatMatmul | None:
     """The compiled format kernels; None where the kernels cannot be built."""
-    library = _load()
+    library = load_library()
     return None if library is None else FormatMatmul(library)
 
 
 def check_table() -> list[str]:
     """Rows where the Python table and the compiled C table disagree (empty: none, or no compiler)."""
-    library = _load()
+    library = load_library()
     if library is None:
         return []
     problems = []
@@ -169,7 +169,7 @@ def _checked(fmt: WeightFormat, data: torch.Tensor, cols: int) -> int:
 
 
 def _library() -> ctypes.CDLL:
-    library = _load()
+    library = load_library()
     if library is None:
         raise RuntimeError("the CPU kernels could not be built (no C compiler?): no reference dequantizer")
     return library
