@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from radixrt.kernels.cpu import format_matmul, formats
 from radixrt.kernels.cpu.formats import FORMATS
 
-pytestmark = pytest.mark.skipif(format_matmul._load() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(format_matmul.load_library() is None, reason="no C compiler")
 
 # Offsets of each block's fp16 scales (the rest of a block is codes and sub-block scales).
 _FP16_AT = {"F16": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
