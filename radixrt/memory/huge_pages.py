@@ -55,6 +55,19 @@ def anonymous_bytes(num_bytes: int, huge: bool = False) -> torch.Tensor | None:
     return torch.frombuffer(buffer, dtype=torch.uint8)[:num_bytes]
 
 
+def _madvise(buffer: mmap.mmap, advice: int, start: int = 0, length: int | None = None) -> bool:
+    """madvise(2) over bytes [start, start + length) of `buffer` through libc, so that the call
+    releases the GIL (mmap.madvise holds it: a long call would stall every Python thread);
+    False where it failed or libc is not at hand."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    except (OSError, TypeError, ValueError):
+        return False
+    length = len(buffer) - start if length is None else length
+    return libc.madvise(ctypes.c_void_p(address + start), ctypes.c_size_t(length), ctypes.c_int(advice)) == 0
+
+
 def settle() -> threading.Thread | None:
     """Move the buffers written since the last call onto huge pages, in a background thread at
     the lowest priority (see the module docstring); returns it (None: nothing to move). The
@@ -75,17 +88,11 @@ def _collapse(buffers: list[mmap.mmap]) -> None:
     except (AttributeError, OSError):
         pass
     for buffer in buffers:
-        if buffer.closed:
+        if buffer.closed or not _madvise(buffer, mmap.MADV_HUGEPAGE):  # no transparent huge pages: 4 KB pages
             continue
-        try:
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        except (OSError, ValueError):  # no transparent huge pages in this kernel: 4 KB pages, same bytes
-            continue
+        # a stretch that fails (an older kernel, memory too fragmented) stays on 4 KB pages, same bytes
         for start in range(0, len(buffer), _COLLAPSE_STRETCH):
-            try:
-                buffer.madvise(MADV_COLLAPSE, start, min(_COLLAPSE_STRETCH, len(buffer) - start))
-            except (OSError, ValueError):  # an older kernel, a partial stretch, or memory too fragmented
-                pass
+            _madvise(buffer, MADV_COLLAPSE, start, min(_COLLAPSE_STRETCH, len(buffer) - start))
 
 
 class SideBySide:
