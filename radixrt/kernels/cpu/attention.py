@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from radixrt.kernels.cpu.library import MAX_GROUP, MAX_HEAD_DIM, call_threads, load_library
+from radixrt.kernels.cpu.library import MAX_GROUP, MAX_HEAD_DIM, bind, call_threads
 
 
 class DecodeAttention:
@@ -127,11 +127,9 @@ class KVStore:
 
 def kv_store() -> KVStore | None:
     """The compiled K/V store; None where the kernels cannot be built."""
-    library = load_library()
-    return None if library is None else KVStore(library)
+    return bind(KVStore)
 
 
 def decode_attention() -> DecodeAttention | None:
     """The compiled decode-attention kernel; None where it cannot be built."""
-    library = load_library()
-    return None if library is None else DecodeAttention(library)
+    return bind(DecodeAttention)

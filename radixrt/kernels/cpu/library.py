@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -13,6 +15,7 @@ from radixrt.kernels.cpu import build
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
 
+_Bound = TypeVar("_Bound")
 _lock = threading.Lock()
 _library: list[ctypes.CDLL | None] = []  # empty until the first accessor call, then [library or None]
 _calling_thread = threading.local()  # .threads: the `kernel_threads` override of this thread's calls
@@ -60,3 +63,9 @@ def isa() -> str:
     loaded build reports; "none" where the kernels cannot be built)."""
     library = load_library()
     return "none" if library is None else build.level_of(library)
+
+
+def bind(kind: Callable[[ctypes.CDLL], _Bound]) -> _Bound | None:
+    """`kind` over the kernels' library (a binding class); None where the kernels cannot be built."""
+    library = load_library()
+    return None if library is None else kind(library)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixrt.kernels.cpu.library import call_threads, load_library
+from radixrt.kernels.cpu.library import bind, call_threads
 
 
 class RMSNorm:
@@ -119,26 +119,22 @@ class RowSampler:
 
 def rms_norm() -> RMSNorm | None:
     """The compiled bf16 RMSNorm; None where it cannot be built."""
-    library = load_library()
-    return None if library is None else RMSNorm(library)
+    return bind(RMSNorm)
 
 
 @functools.cache  # the sampler asks at every step
 def row_stats() -> RowStats | None:
     """The compiled argmax and log-sum-exp of logits rows; None where the kernels cannot be built."""
-    library = load_library()
-    return None if library is None else RowStats(library)
+    return bind(RowStats)
 
 
 @functools.cache  # the sampler asks at every step
 def token_masks() -> TokenMasks | None:
     """The compiled token masking of logits rows; None where the kernels cannot be built."""
-    library = load_library()
-    return None if library is None else TokenMasks(library)
+    return bind(TokenMasks)
 
 
 @functools.cache  # the sampler asks at every step
 def row_sampler() -> RowSampler | None:
     """The compiled sampling of logits rows; None where the kernels cannot be built."""
-    library = load_library()
-    return None if library is None else RowSampler(library)
+    return bind(RowSampler)
