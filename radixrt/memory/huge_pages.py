@@ -25,6 +25,7 @@ with the same bytes throughout.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import threading
@@ -55,14 +56,24 @@ def anonymous_bytes(num_bytes: int, huge: bool = False) -> torch.Tensor | None:
     return torch.frombuffer(buffer, dtype=torch.uint8)[:num_bytes]
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
 def _madvise(buffer: mmap.mmap, advice: int, start: int = 0, length: int | None = None) -> bool:
     """madvise(2) over bytes [start, start + length) of `buffer` through libc, so that the call
     releases the GIL (mmap.madvise holds it: a long call would stall every Python thread);
     False where it failed or libc is not at hand."""
+    libc = _libc()
+    if libc is None:
+        return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
         address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-    except (OSError, TypeError, ValueError):
+    except (TypeError, ValueError):
         return False
     length = len(buffer) - start if length is None else length
     return libc.madvise(ctypes.c_void_p(address + start), ctypes.c_size_t(length), ctypes.c_int(advice)) == 0

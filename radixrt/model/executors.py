@@ -43,9 +43,9 @@ from radixrt.model.int4_layer import Int4DecodeStack
 from radixrt.model.llama import LlamaForCausalLM
 
 # Steps of at most this many tokens the whole-step kernel runs when steps are not deterministic:
-# without ~30 torch ops a layer it beats the layer path at 24-64 tokens too (decodes, extends and
-# mixes of both); beyond, the step is compute-bound and the dense GEMM wins (docs/benchmarks.md,
-# "The whole-step kernel's row limit").
+# without the layer path's torch ops between products it is the faster one for decodes, extends
+# and mixes of both up to here; beyond, the step is compute-bound and the dense GEMM wins
+# (measured: docs/benchmarks.md, "The whole-step kernel's row limit").
 STACK_MAX_ROWS = 64
 
 
