@@ -20,6 +20,7 @@ import transformers
 
 from radixrt.benchmarks.gguf_models import LlamaShape, llama_cpp_permute, write_llama_gguf
 from radixrt.kernels import cpu
+from radixrt.memory import packed_copy
 from radixrt.model import gguf_int4, gguf_loader, gguf_plan
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
 from radixrt.model.gguf_int4 import PROJECTIONS, Int4Weight, int4_weight, projection
@@ -221,12 +222,18 @@ def test_types_without_a_kernel_are_dequantized_with_one_warning(mixed_file, cap
     assert (second.qkv_proj.numel() == 0) == packed, "Q4_0, Q4_0, Q5_1 parts in one packed qkv"
 
 
-def test_first_start_writes_no_weight_file(q4_file, tmp_path, monkeypatch):
+def test_first_start_writes_a_record_and_at_most_one_packed_copy(q4_file, tmp_path, monkeypatch):
+    """No converted weights: the config and tokenizer record, and the packed weights' copy for
+    later starts (memory/packed_copy.py, here even for a tiny model) at most the file's bytes and a tenth."""
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "fresh"))
+    monkeypatch.setattr(packed_copy, "MIN_COPY_BYTES", 0)
     load_model(q4_file, dtype="bfloat16", weights="native")
-    written = [p for p in (tmp_path / "fresh").rglob("*") if p.is_file()]
-    assert [p.parent.name for p in written] == ["start"], written  # one start record, nothing else
-    assert written[0].stat().st_size < q4_file.stat().st_size / 2, "config and tokenizer, no weights"
+    packed_copy.wait_for_writers()
+    written = sorted((p for p in (tmp_path / "fresh").rglob("*") if p.is_file()), key=lambda p: p.parent.name)
+    assert [p.parent.name for p in written] == ["packed", "start"], written
+    copy, record = written
+    assert copy.suffix == packed_copy.SUFFIX and copy.stat().st_size <= 1.1 * q4_file.stat().st_size
+    assert record.stat().st_size < q4_file.stat().st_size / 2, "config and tokenizer, no weights"
 
 
 def truncated_copy(source: Path, target: Path, keep: int) -> Path:

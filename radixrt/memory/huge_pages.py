@@ -109,18 +109,34 @@ def _collapse(buffers: list[mmap.mmap]) -> None:
 class SideBySide:
     """`side_by_side` for tensors built one at a time: the buffer for all of `sizes` (bytes, in
     order) is taken up front, untouched, and each tensor is copied into the next slot as it is
-    built (`place`), so its original can go at once: a load holds one copy of the weights, not two."""
+    built (`place`), so its original can go at once: a load holds one copy of the weights, not two.
 
-    def __init__(self, sizes: Sequence[int]):
+    With `stored` (a mapping of `span(sizes)` bytes: a copy of such a buffer written earlier,
+    `packed_copy`) every slot already holds its bytes: `written` is True, `take` hands the
+    slots out to be described, not written, and `place` copies nothing."""
+
+    def __init__(self, sizes: Sequence[int], stored: mmap.mmap | None = None):
         self._starts, total = [], 0
         for size in sizes:
             self._starts.append(total)
             total += -(-size // ALIGNMENT) * ALIGNMENT
         self._sizes = list(sizes)
-        whole = anonymous_bytes(total + HUGE_PAGE, huge=True) if total else None
-        self._whole = whole
-        self._first = 0 if whole is None else -whole.data_ptr() % HUGE_PAGE
+        self._total = total
+        if stored is not None:
+            if len(stored) != total:
+                raise ValueError(f"a stored buffer of {len(stored)} bytes for slots spanning {total}")
+            self._whole: torch.Tensor | None = torch.frombuffer(stored, dtype=torch.uint8)
+            self._first = 0
+        else:
+            self._whole = anonymous_bytes(total + HUGE_PAGE, huge=True) if total else None
+            self._first = 0 if self._whole is None else -self._whole.data_ptr() % HUGE_PAGE
+        self.written = stored is not None
         self._next = 0
+
+    @staticmethod
+    def span(sizes: Sequence[int]) -> int:
+        """The bytes from the first slot's start to the last one's end (each slot 64-byte aligned)."""
+        return sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes)
 
     def take(self, num_bytes: int) -> torch.Tensor:
         """The next slot, to be written into (`num_bytes` must be its size); fresh memory where
@@ -133,7 +149,15 @@ class SideBySide:
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """The next slot holding a copy of `tensor` (contiguous uint8 of the slot's size)."""
-        return self.take(tensor.numel()).view(tensor.shape).copy_(tensor)
+        slot = self.take(tensor.numel()).view(tensor.shape)
+        return slot if self.written else slot.copy_(tensor)
+
+    def contents(self) -> torch.Tensor:
+        """Every slot's bytes as one run (`span(sizes)` bytes): what a stored copy holds. Empty where
+        the OS gave no buffer (each slot then has memory of its own)."""
+        if self._whole is None:
+            return torch.empty(0, dtype=torch.uint8)
+        return self._whole[self._first : self._first + self._total]
 
 
 def release_free_heap() -> None:

@@ -39,13 +39,13 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from radixrt.kernels import cpu
-from radixrt.memory import huge_pages
+from radixrt.memory import huge_pages, packed_copy
 from radixrt.model import gguf_config, gguf_int4, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_families import ARCHITECTURES, layer_tensors, output_norm_shift, row_order
@@ -97,18 +97,16 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
     head_format = None if plan.head is None else cpu.FORMATS.get(plan.head.type_name)
     tied_lookup = (config.tie_word_embeddings and head_format is not None and plan.head is not None
                    and model.embedding_runs_quantized(head_format, (plan.head.shape[0], plan.head.shape[1])))
-    embedding: bool | cpu.PackedWeight = tied_lookup
     with torch.no_grad():
-        if plan.embedding is not None:  # its rows are looked up as stored, the table never filled
-            embedding = _packed([plan.embedding], config, None)
-        elif not tied_lookup:  # else its rows are looked up in the head
+        if plan.embedding is None and not tied_lookup:  # else its rows are looked up as stored
             dequantize_into(model.embed_tokens, file.tensors["token_embd.weight"])
+            file.release([file.tensors["token_embd.weight"]])
         _read_small(model.norm, [file.tensors["output_norm.weight"]], config, output_norm_shift(config))
         if not config.tie_word_embeddings and plan.head is None:  # else the head runs as stored
             dequantize_into(model.lm_head, file.tensors["output.weight"])
-        file.release([file.tensors["token_embd.weight"]])
         model.prepack()
-        placed = _packed_buffer(plan, dtype)
+        copy = _slots(file, plan, dtype)
+        placed = None if copy is None else packed_copy.buffer(copy.sizes, copy.path)
         for index, layer in enumerate(model.decoder_layers()):
             for small in layer_tensors(config, index):  # norms, biases, q/k norms
                 _read_small(getattr(layer, small.attribute), [file.tensors[name] for name in small.names], config,
@@ -127,10 +125,15 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
                                 for fused, parts in plan.native[index].items()})  # fmt: skip
             file.release([part for parts in (*plan.native[index].values(), *plan.dense[index].values())
                           for part in parts])
+        # an untied table's rows are looked up as stored, the dense table never filled
+        embedding = tied_lookup if plan.embedding is None else _packed([plan.embedding], config, placed)
+        head = _head(plan.head, placed, dtype, config)
     if any(plan.native) or plan.head is not None:
-        model.finish_int4(_head(plan.head, placed, dtype, config), embedding, placed)
-        file.release([t for t in (plan.head, plan.embedding) if t is not None])
+        model.finish_int4(head, embedding, placed)
+    file.release([t for t in (plan.head, plan.embedding) if t is not None])
     huge_pages.release_free_heap()
+    if placed is not None and copy is not None:
+        packed_copy.keep(placed, copy.path)
     huge_pages.settle()
     return model
 
@@ -146,20 +149,35 @@ def lookup_runs(dtype: torch.dtype) -> Callable[[GGUFTensor], bool]:
     return lambda tensor: _packs([tensor], dtype)
 
 
-def _packed_buffer(plan: TensorPlan, dtype: torch.dtype) -> huge_pages.SideBySide | None:
-    """The buffer every layer's packed weights (and a packed head) go into as they are built, in
-    the order a step reads them, where every layer runs all four projections in radixrt's
-    kernels; else None (`finish_int4` then places what it can after the fact)."""
+class _Copy(NamedTuple):
+    sizes: list[int]  # the buffer's slots
+    path: Path | None  # its packed copy (`packed_copy`); None where copies are off
+
+
+def _slots(file: GGUFFile, plan: TensorPlan, dtype: torch.dtype) -> _Copy | None:
+    """The slots of the buffer every layer's packed weights go into as they are built, in the
+    order a step reads them, then a packed embedding's and a packed head's (which `finish_int4`
+    may place last), and where a copy of
+    that buffer is kept (`packed_copy`), where every layer runs all four projections in
+    radixrt's kernels; else None (`finish_int4` then places what it can after the fact)."""
     if not plan.native or not all(len(layer) == len(PROJECTIONS) for layer in plan.native):
         return None
     projections = [parts for layer in plan.native for parts in layer.values()]
     if not all(_packs(parts, dtype) for parts in projections):
         return None
-    sizes = [_packed_bytes(parts) for parts in projections]
-    head = plan.head
-    if head is not None and _packs([head], dtype):
-        sizes.append(_packed_bytes([head]))
-    return huge_pages.SideBySide(sizes)
+    slots = [*projections]
+    if plan.embedding is not None:
+        slots.append([plan.embedding])
+    if plan.head is not None and _packs([plan.head], dtype):
+        slots.append([plan.head])
+    sizes = [_packed_bytes(parts) for parts in slots]
+    library = cpu.load_library()
+    if library is None or not packed_copy.enabled():
+        return _Copy(sizes, None)
+    stat = file.path.stat()
+    identity = repr((str(file.path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, str(dtype),
+                     [[(part.name, part.type_name) for part in parts] for parts in slots], sizes))
+    return _Copy(sizes, packed_copy.copy_path(file.path, identity.encode(), library._name))
 
 
 def _packs(parts: list[GGUFTensor], dtype: torch.dtype) -> bool:
@@ -207,6 +225,7 @@ def _packed(parts: list[GGUFTensor], config: ModelConfig,
     assert matmul is not None  # `_packs` asked
     num_rows, num_cols = sum(part.shape[0] for part in parts), parts[0].shape[1]
     out = None if placed is None else placed.take(_packed_bytes(parts))
+    written = placed is not None and placed.written  # a stored copy: described, not packed again
     addresses = []
     for part in parts:
         order = _row_order(part, config)
@@ -214,7 +233,7 @@ def _packed(parts: list[GGUFTensor], config: ModelConfig,
         addresses.append(part.data.ctypes.data + rows * part.data.shape[1])
     if all(part.type_name in gguf_int4.SUPPORTED_TYPES for part in parts):
         kinds = [torch.full((part.shape[0],), int(part.type_name == "Q4_1"), dtype=torch.uint8) for part in parts]
-        return matmul.pack_gguf_q4(torch.cat(addresses), torch.cat(kinds), num_cols, out)
+        return matmul.pack_gguf_q4(torch.cat(addresses), torch.cat(kinds), num_cols, out, written)
     runs: list[tuple[int, list[torch.Tensor]]] = []
     for part, rows in zip(parts, addresses):
         format = cpu.FORMATS[part.type_name]
@@ -222,7 +241,7 @@ def _packed(parts: list[GGUFTensor], config: ModelConfig,
             runs[-1][1].append(rows)
         else:
             runs.append((format, [rows]))
-    return matmul.pack_format([(format, torch.cat(rows)) for format, rows in runs], num_cols, out)
+    return matmul.pack_format([(format, torch.cat(rows)) for format, rows in runs], num_cols, out, written)
 
 
 def _head(head: GGUFTensor | None, placed: huge_pages.SideBySide | None, dtype: torch.dtype,
@@ -239,7 +258,7 @@ def _head(head: GGUFTensor | None, placed: huge_pages.SideBySide | None, dtype: 
         assert matmul is not None  # `_packs` asked
         rows = head.data.ctypes.data + torch.arange(head.shape[0]) * head.data.shape[1]
         out = None if placed is None else placed.take(head.shape[0] * head.shape[1] * 17 // 16)
-        return matmul.pack_gguf_q8(rows, head.shape[1], out)
+        return matmul.pack_gguf_q8(rows, head.shape[1], out, placed is not None and placed.written)
     return _packed([head], config, placed)
 
 

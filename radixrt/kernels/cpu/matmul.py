@@ -80,10 +80,11 @@ class QuantizedMatmul:
         return shape[0] // self.TILE_ROWS * self.tile_bytes(format, shape[1])
 
     def pack_format(self, parts: Sequence[tuple[int, torch.Tensor]], num_cols: int,
-                    out: torch.Tensor | None = None) -> PackedWeight:
+                    out: torch.Tensor | None = None, written: bool = False) -> PackedWeight:
         """Rows of GGUF blocks in the formats' packed layouts, straight from the blocks: `parts`, each
         (format, [n] int64 addresses of its rows' blocks, kept alive by the caller), lie one after
-        another in `out` (or a new buffer) as one weight."""
+        another in `out` (or a new buffer) as one weight. `written`: `out` holds them packed
+        already (a stored copy, `packed_copy`): it is described, not written."""
         sizes = [self.packed_bytes(format, (rows.numel(), num_cols)) for format, rows in parts]
         for (format, rows), size in zip(parts, sizes):
             if size <= 0:
@@ -93,7 +94,7 @@ class QuantizedMatmul:
         if data.numel() != sum(sizes) or not data.is_contiguous() or data.dtype != torch.uint8:
             raise ValueError(f"out must be {sum(sizes)} contiguous bytes")
         at = 0
-        for (format, rows), size in zip(parts, sizes):
+        for (format, rows), size in zip(parts, () if written else sizes):
             rows = rows.to(torch.int64).contiguous()
             status = self._pack_format(format, rows.data_ptr(), rows.numel(), num_cols, data[at:].data_ptr(),
                                        call_threads())
@@ -152,16 +153,19 @@ class QuantizedMatmul:
         return PackedWeight(blocks.contiguous(), 4, codes.shape[0])
 
     def pack_gguf_q4(self, rows: torch.Tensor, kinds: torch.Tensor, num_cols: int,
-                     out: torch.Tensor | None = None) -> PackedWeight:
+                     out: torch.Tensor | None = None, written: bool = False) -> PackedWeight:
         """GGUF Q4_0/Q4_1 rows in the 4-bit layout, straight from their blocks (`pack_gguf.c`): what
         `pack_int4` makes of the same codes, scales and offsets, in one pass. `rows` [N] int64: the
         address of each row's blocks (the caller keeps them alive); `kinds` [N] uint8: 0 for Q4_0,
-        1 for Q4_1; `out`: N * K * 5 / 8 bytes to write into (a slot of the weights' buffer)."""
+        1 for Q4_1; `out`: N * K * 5 / 8 bytes to write into (a slot of the weights' buffer), or
+        holding them packed already where `written` (as `pack_format`)."""
         num_rows = rows.numel()
         tiles, groups = self._tiles_of(num_rows, num_cols)
         data = torch.empty(tiles * groups * 320, dtype=torch.uint8) if out is None else out
         if data.numel() != tiles * groups * 320 or not data.is_contiguous() or data.dtype != torch.uint8:
             raise ValueError(f"out must be {tiles * groups * 320} contiguous bytes")
+        if written:
+            return PackedWeight(data.view(tiles, groups, 320), 4, num_rows)
         rows, kinds = rows.to(torch.int64).contiguous(), kinds.to(torch.uint8).contiguous()
         status = self._pack_gguf(rows.data_ptr(), kinds.data_ptr(), num_rows, num_cols, data.data_ptr(), call_threads())
         if status == -1:
@@ -171,17 +175,19 @@ class QuantizedMatmul:
                              f"{num_cols})")
         return PackedWeight(data.view(tiles, groups, 320), 4, num_rows)
 
-    def pack_gguf_q8(self, rows: torch.Tensor, num_cols: int, out: torch.Tensor | None = None) -> PackedWeight:
+    def pack_gguf_q8(self, rows: torch.Tensor, num_cols: int, out: torch.Tensor | None = None,
+                     written: bool = False) -> PackedWeight:
         """GGUF Q8_0 rows in the 8-bit layout straight from their blocks (`pack_gguf.c`): what
         `pack_int8` makes of the same codes and scales. `rows` [N] int64 addresses (kept alive by
-        the caller); `out`: N * K * 17 / 16 bytes to write into."""
+        the caller); `out`: N * K * 17 / 16 bytes to write into, or holding them packed already
+        where `written` (as `pack_format`)."""
         num_rows = rows.numel()
         tiles, groups = self._tiles_of(num_rows, num_cols)
         data = torch.empty(tiles * groups * 544, dtype=torch.uint8) if out is None else out
         if data.numel() != tiles * groups * 544 or not data.is_contiguous() or data.dtype != torch.uint8:
             raise ValueError(f"out must be {tiles * groups * 544} contiguous bytes")
         rows = rows.to(torch.int64).contiguous()
-        if self._pack_gguf_q8(rows.data_ptr(), num_rows, num_cols, data.data_ptr(), call_threads()):
+        if not written and self._pack_gguf_q8(rows.data_ptr(), num_rows, num_cols, data.data_ptr(), call_threads()):
             raise ValueError(f"pack_gguf_q8: the shape must be whole tiles, got ({num_rows}, {num_cols})")
         return PackedWeight(data.view(tiles, groups, 544), 8, num_rows)
 
