@@ -15,9 +15,11 @@ import torch
 from radixrt.benchmarks.gguf_models import LlamaShape, write_llama_gguf
 from radixrt.kernels import cpu
 from radixrt.memory import huge_pages, packed_copy
+from radixrt.model import quantize as quantizer
 from radixrt.model.loader import LoadedModel, load_model
 from radixrt.paths import CACHE_ENV_VAR
 from tests.test_gguf_native import logits_of
+from tests.test_quantize import bf16_dir, f16_gguf  # noqa: F401 (fixtures)
 
 # K-quant rows are whole blocks of 256 inputs; an untied model, so that the embedding and the head
 # both take slots of the buffer
@@ -105,6 +107,23 @@ def test_a_copy_of_the_wrong_size_is_packed_again_and_replaced(files, fresh_cach
     assert all(mapped_file(weight.data.data_ptr()) == "" for weight in packed_weights(repacked))
     assert torch.equal(logits_of(repacked, PROMPT), expected)
     assert copy.read_bytes() == whole, "written whole again"
+
+
+@pytest.mark.parametrize("source, kind", [("bf16_dir", "q4_0"), ("f16_gguf", "q8_0")])
+def test_a_model_quantized_at_load_is_mapped_from_its_copy_and_reads_no_projection(request, fresh_cache, source,
+                                                                                   kind, monkeypatch):
+    path = request.getfixturevalue(source)
+    first = load_model(path, dtype="bfloat16", quantize=kind)
+    packed_copy.wait_for_writers()
+    (copy,) = copies(fresh_cache)
+    read = []
+    for name in ("gguf_projection", "pack_quantized"):  # nothing is read or quantized again
+        inner = getattr(quantizer, name)
+        monkeypatch.setattr(quantizer, name, lambda *args, _inner=inner, _name=name: read.append(_name) or _inner(*args))
+    later = load_model(path, dtype="bfloat16", quantize=kind)
+    assert read == ["gguf_projection"] * (source == "f16_gguf"), "the projection reader made, never called"
+    assert all(mapped_file(weight.data.data_ptr()) == str(copy) for weight in packed_weights(later))
+    assert torch.equal(logits_of(first, PROMPT), logits_of(later, PROMPT))
 
 
 def test_a_changed_source_gets_a_new_copy_and_its_old_one_goes(files, fresh_cache, tmp_path):

@@ -31,9 +31,14 @@ _DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 
 
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The folder's weight files, sorted."""
+    return sorted(f for pattern in ("*.safetensors", "pytorch_model*.bin") for f in folder.glob(pattern))
+
+
 def checkpoint_bytes(folder: Path) -> int:
     """Bytes of the folder's weight files."""
-    return sum(f.stat().st_size for pattern in ("*.safetensors", "pytorch_model*.bin") for f in folder.glob(pattern))
+    return sum(f.stat().st_size for f in checkpoint_files(folder))
 
 
 def checkpoint_weights(folder: Path) -> Mapping[str, torch.Tensor]:

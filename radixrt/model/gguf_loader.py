@@ -9,7 +9,9 @@ llama.cpp writes it), qwen2 (Qwen2, Qwen2.5), qwen3, phi3, gemma2 and gemma3 (th
        │
        ├─ projections, LM head and embedding in a     ──► repacked from the file's blocks into the
        │  format with a packed layout (Q4_0, Q4_1,        formats' tile layouts (`cpu.PackedWeight`,
-       │  Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)             parts of several formats in one projection)
+       │  Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)             parts of several formats in one projection),
+       │                                                  one buffer kept on disk after the first
+       │                                                  start and mapped by later ones (`packed_copy`)
        └─ everything else (norms, other types)       ──► dequantized (gguf's reference dequantizer,
                                                          in row chunks), rounded once to the dtype
 

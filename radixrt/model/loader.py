@@ -27,7 +27,7 @@ import torch
 from radixrt.memory.kv_cache import KVShape
 from radixrt.model import gguf_loader, gguf_plan
 from radixrt.model import quantize as quantizer
-from radixrt.model.checkpoint import checkpoint_bytes, checkpoint_weights
+from radixrt.model.checkpoint import checkpoint_bytes, checkpoint_files, checkpoint_weights
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_file import GGUFFile
 from radixrt.model.llama import LlamaForCausalLM
@@ -278,7 +278,7 @@ def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dty
     model.load_hf_state_dict(weights, projections=quantize is None, share=True)
     model.prepack()
     if quantize is not None:
-        quantizer.quantize_checkpoint(model, weights, config, quantize)
+        quantizer.quantize_checkpoint(model, weights, config, quantize, checkpoint_files(folder))
     logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=folder,
                        weights=quantize or "dense", read_hf_config=read_hf_config)

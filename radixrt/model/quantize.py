@@ -26,14 +26,15 @@ stays dense, with one WARNING.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from radixrt.config import QUANTIZE_TYPES
 from radixrt.kernels import cpu
-from radixrt.memory import huge_pages
+from radixrt.memory import huge_pages, packed_copy
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_families import projection_parts, row_order
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
@@ -114,10 +115,8 @@ def pack_quantized(matmul: cpu.QuantizedMatmul, dense: torch.Tensor, bits: int,
     """`dense` [N, K] quantized (Q4_0 or Q8_0) and packed into `out` (its `packed_bytes`; fresh
     memory if None), a slice of whole tiles of rows at a time."""
     num_rows, num_cols = dense.shape
-    tiles, groups = num_rows // matmul.TILE_ROWS, num_cols // matmul.GROUP
-    tile_bytes = packed_bytes(bits, (matmul.TILE_ROWS, matmul.GROUP))
-    data = torch.empty(tiles * groups * tile_bytes, dtype=torch.uint8) if out is None else out
-    data = data.view(tiles, groups, tile_bytes)
+    data = torch.empty(packed_bytes(bits, (num_rows, num_cols)), dtype=torch.uint8) if out is None else out
+    data = stored_weight(matmul, data, bits, (num_rows, num_cols)).data
     step = max(1, _CHUNK_BYTES // (4 * num_cols * matmul.TILE_ROWS)) * matmul.TILE_ROWS
     for start in range(0, num_rows, step):
         rows = dense[start : start + step].float()
@@ -131,29 +130,45 @@ def pack_quantized(matmul: cpu.QuantizedMatmul, dense: torch.Tensor, bits: int,
     return cpu.PackedWeight(data, bits, num_rows)
 
 
-def quantize_model(model: LlamaForCausalLM, quantize: str, dense: DenseProjection, head: torch.Tensor,
-                   done: Callable[[int, str], None] = lambda layer, name: None) -> None:
+def stored_weight(matmul: cpu.QuantizedMatmul, data: torch.Tensor, bits: int,
+                  shape: tuple[int, int]) -> cpu.PackedWeight:
+    """The [N, K] weight whose packed bytes `data` holds (its `packed_bytes`, in the kernel's layout)."""
+    tiles, groups = shape[0] // matmul.TILE_ROWS, shape[1] // matmul.GROUP
+    return cpu.PackedWeight(data.view(tiles, groups, packed_bytes(bits, (matmul.TILE_ROWS, matmul.GROUP))), bits,
+                            shape[0])
+
+
+def quantize_model(model: LlamaForCausalLM, quantize: str, dense: DenseProjection, head: Callable[[], torch.Tensor],
+                   done: Callable[[int, str], None] = lambda layer, name: None,
+                   sources: Sequence[Path] = ()) -> None:
     """Give `model` (built with `dense_projections=False`, every other weight loaded, `prepack`ed)
     its projections quantized from `dense`, one at a time (`done(layer, name)` after each: the
-    caller may release its source), and a Q8_0 LM head quantized from `head` [vocab, hidden]."""
+    caller may release its source), and a Q8_0 LM head quantized from `head()` [vocab, hidden].
+    `sources`: the files the weights are read from; where given, the packed weights are kept on
+    disk after the first load and mapped by later ones (`packed_copy`), which then read no
+    projection (`dense` and `head` unread)."""
     matmul = cpu.quantized_matmul()
     if matmul is None:
         raise ValueError("quantize needs radixrt's quantized matmul (a C compiler)")
     bits = 8 if quantize == "q8_0" else 4
     layers = model.decoder_layers()
     shapes = [layer.projection_shapes() for layer in layers]
-    head_shape = (int(head.shape[0]), int(head.shape[1]))
+    head_shape = (model.config.vocab_size, model.config.hidden_size)
     runs_head = matmul.supports(head_shape)
     sizes = [packed_bytes(bits, shape) for layer in shapes for shape in layer.values() if matmul.supports(shape)]
-    placed = huge_pages.SideBySide(sizes + ([packed_bytes(8, head_shape)] if runs_head else []))
+    sizes += [packed_bytes(8, head_shape)] if runs_head else []
+    copy = _copy_path(sources, quantize, model.dtype, sizes, matmul)
+    placed = packed_copy.buffer(sizes, copy)
     dense_left: list[str] = []
     with torch.no_grad():
         for index, layer in enumerate(layers):
             packed: dict[str, cpu.PackedWeight] = {}
             for name, shape in shapes[index].items():
-                weight = dense(index, name)
-                if tuple(weight.shape) != shape:
-                    raise ValueError(f"layer {index} {name}: shape {tuple(weight.shape)}, model expects {shape}")
+                if matmul.supports(shape) and placed.written:
+                    packed[name] = stored_weight(matmul, placed.take(packed_bytes(bits, shape)), bits, shape)
+                    done(index, name)
+                    continue
+                weight = _checked(dense(index, name), shape, f"layer {index} {name}")
                 if matmul.supports(shape):
                     packed[name] = pack_quantized(matmul, weight, bits, placed.take(packed_bytes(bits, shape)))
                 else:
@@ -166,8 +181,11 @@ def quantize_model(model: LlamaForCausalLM, quantize: str, dense: DenseProjectio
             layer.use_int4(packed)
         quantized_head = None
         if runs_head:
-            quantized_head = pack_quantized(matmul, head, 8, placed.take(packed_bytes(8, head_shape)))
+            slot = placed.take(packed_bytes(8, head_shape))
+            quantized_head = (stored_weight(matmul, slot, 8, head_shape) if placed.written
+                              else pack_quantized(matmul, _checked(head(), head_shape, "the LM head"), 8, slot))
         model.finish_int4(quantized_head, quantized_embedding=True, placed=placed)
+    packed_copy.keep(placed, copy)
     if dense_left or not runs_head:
         logger.warning("quantize=%s: shapes the quantized kernel's tiles do not take (rows a multiple of 16, inputs "
                        "of 32) stay dense: %s", quantize,
@@ -176,8 +194,32 @@ def quantize_model(model: LlamaForCausalLM, quantize: str, dense: DenseProjectio
     huge_pages.settle()
 
 
+def _checked(weight: torch.Tensor, shape: tuple[int, int], name: str) -> torch.Tensor:
+    if tuple(weight.shape) != shape:
+        raise ValueError(f"{name}: shape {tuple(weight.shape)}, model expects {shape}")
+    return weight
+
+
+def _copy_path(sources: Sequence[Path], quantize: str, dtype: torch.dtype, sizes: list[int],
+               matmul: cpu.QuantizedMatmul) -> Path | None:
+    """Where the packed copy of these sources' weights quantized so lives (None: no sources,
+    or copies off). The key holds each source file's path, device, inode, size and
+    modification time: a changed file is quantized again."""
+    library = cpu.load_library()
+    if not sources or library is None or not packed_copy.enabled():
+        return None
+    files = []
+    for source in sources:
+        stat = source.stat()
+        files.append((str(source.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    identity = repr((files, quantize, str(dtype), sizes, matmul.TILE_ROWS))
+    first = sources[0]
+    return packed_copy.copy_path(first.parent if first.suffix != ".gguf" else first, identity.encode(),
+                                 f"{library._name}-{quantize}")
+
+
 def quantize_checkpoint(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor], config: ModelConfig,
-                        quantize: str) -> None:
+                        quantize: str, sources: Sequence[Path] = ()) -> None:
     """`quantize_model` from a Hugging Face checkpoint's tensors (its projections read as stored:
     one view of the file where a fused projection's parts lie back to back, else concatenated),
     each one's pages of the mapped file dropped once it is quantized (they stay in the page cache)."""
@@ -199,7 +241,8 @@ def quantize_checkpoint(model: LlamaForCausalLM, weights: Mapping[str, torch.Ten
 
     own_head = "lm_head.weight" in weights and not config.tie_word_embeddings
     head = "lm_head.weight" if own_head else "model.embed_tokens.weight"
-    quantize_model(model, quantize, projection, weights[head], lambda index, name: release(names(index, name)))
+    quantize_model(model, quantize, projection, lambda: weights[head], lambda index, name: release(names(index, name)),
+                   sources)
     if own_head or model.embed_tokens.numel() == 0:  # the dense head (or embedding) is gone: its rows too
         release([head])
 
@@ -212,8 +255,8 @@ def quantize_gguf(model: LlamaForCausalLM, file: GGUFFile, config: ModelConfig, 
         return [file.tensors[f"blk.{index}.{part}.weight"] for part in projection_parts(config)[name]]
 
     head = file.tensors["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
-    quantize_model(model, quantize, gguf_projection(file, config), gguf_rows(head),
-                   lambda index, name: file.release(parts(index, name)))
+    quantize_model(model, quantize, gguf_projection(file, config), lambda: gguf_rows(head),
+                   lambda index, name: file.release(parts(index, name)), [file.path])
     file.release([head])
 
 
