@@ -342,7 +342,8 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _weight(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         )
-        self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling, device)
+        self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling, device,
+                                    config.rope_freq_factors)
         # Gemma 3's sliding layers rotate with their own base
         self.local_rope = None
         if config.local_rope_theta is not None:
