@@ -21,7 +21,7 @@ import torch
 
 from radixrt.benchmarks.gguf_from_hf import llama3_rope_freqs, write_hf_gguf
 from radixrt.kernels import cpu
-from radixrt.model.config import RopeScaling
+from radixrt.model.config import ModelConfig, RopeScaling
 from radixrt.model.executors import WholeStep
 from radixrt.model.loader import load_model
 from radixrt.model.rope import RotaryEmbedding, rope_parameters
@@ -66,6 +66,7 @@ def test_a_llama3_file_loads_equal_to_its_folder_bit_for_bit(written):
     assert config.rope_scaling is None and config.rope_theta == 500000.0, "the file has no scaling metadata"
     want = tuple(float(f) for f in llama3_rope_freqs(expected.hf_config, LLAMA3))
     assert config.rope_freq_factors == want
+    assert ModelConfig.from_hf(loaded.hf_config) == config, "transformers' reading of the file's config"
     inv_freq = loaded.model.rope.inv_freq
     assert torch.equal(inv_freq, expected.model.rope.inv_freq)
     assert not torch.equal(inv_freq, plain_inv_freq(32, 500000.0)), "the plain rope differs: the test can fail"
@@ -153,8 +154,6 @@ def test_rope_freqs_in_a_family_llama_cpp_does_not_read_it_for_is_refused(tmp_pa
 
 
 def test_a_config_with_bad_factors_is_refused_naming_the_field():
-    from radixrt.model.config import ModelConfig
-
     base = dict(architecture="LlamaForCausalLM", vocab_size=8, hidden_size=64, intermediate_size=128, num_layers=1,
                 num_heads=2, num_kv_heads=1, head_dim=32, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
                 attention_bias=False, o_proj_bias=False, tie_word_embeddings=False, max_position_embeddings=64)
