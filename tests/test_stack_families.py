@@ -5,7 +5,8 @@ bf16 with `quantize="q8_0"`: packed projections and head, as a GGUF's, so the wh
 applies. For each: the model takes the kernel; its logits agree with the per-layer path over the
 same packed weights (bit for bit where the arithmetic is the same: decodes of the families whose
 layers the kernel computes op for op as the torch layer rounds them; else within a tolerance);
-deterministic steps are batch-invariant; a decode run equals as many single steps.
+deterministic steps are batch-invariant; a decode run equals as many single steps. A dense Gemma 2
+(no kernel: layer by layer) takes its score cap into deterministic steps' C attention too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from radixrt.sampling.sampler import run_sampling
 from tests.conftest import _CONFIG_CLASSES, TINY_VOCAB, randomize_weights
 from tests.test_decode_run import deterministic_runner, sequences, step_by_step
 from tests.test_decode_stack import both_paths, filled_runner, make_batch
-from tests.test_deterministic import Sequence, differences
+from tests.test_deterministic import Sequence, differences, logits_of_every_token, runner_for
 from tests.test_model import prepacked
 from tests.test_model_families import FAMILIES
 from tests.test_native_weights import random_int4, random_int8
@@ -43,6 +44,8 @@ EXACT = {"llama-llama3", "mistral-window", "qwen2-window", "qwen3", "qwen3-bias-
 # |stack - layers| <= TOLERANCE * max(1, max |layers|): bf16 differences of one step, grown through
 # two random layers
 TOLERANCE = 0.05
+# float32 runs of the same weights in another order of operations (tests/test_model_families.py's bound)
+FLOAT32_TOLERANCE = 1e-4
 
 
 def longest_context(name: str) -> int:
@@ -200,3 +203,32 @@ def test_native_weights_of_a_family_lie_side_by_side_and_run_on_the_kernel(name,
         assert torch.equal(stacked, layered)
     else:
         assert agreement(stacked, layered) <= TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+def test_a_dense_gemma2_is_batch_invariant_with_its_score_cap(dtype, make_tiny_hf_model):
+    """Gemma 2 on dense weights, deterministic steps layer by layer: the C attention caps the scores
+    (each layer's window too). Every token's logits are those it gets alone, bit for bit, and within
+    the tolerance of the default path's (which caps explicit scores in torch); the same weights
+    without the cap are far outside it, so a cap left out would show."""
+    if cpu.rowwise_matmul() is None:
+        pytest.skip("no C compiler: deterministic mode needs radixrt's kernels")
+    architecture, overrides = FAMILIES["gemma2"]
+    model = prepacked(make_tiny_hf_model(architecture, **overrides), dtype)
+    assert model.config.attn_logit_softcapping is not None and WholeStep.stack_for(model) is None
+    uncapped = prepacked(make_tiny_hf_model(architecture, **dict(overrides, attn_logit_softcapping=None)), dtype)
+    length = 300
+    rng = random.Random(0)
+    shared = [rng.randrange(TINY_VOCAB) for _ in range(length)]
+    own_slots = torch.arange(length + 3, length + 5)
+    prompts = [Sequence(shared + [5, 6, 7], torch.arange(length + 3), length, True),
+               Sequence(shared + [8, 9], torch.cat([torch.arange(length), own_slots]), length, False)]
+    steps = [[(0, 0, 37)], [(0, 37, length)], [(0, length, length + 3), (1, length, length + 2)]]
+    assert differences(model, prompts, steps, deterministic=True) == 0
+    num_slots = length + 5
+    deterministic = logits_of_every_token(runner_for(model, num_slots, True), prompts, steps)
+    default = logits_of_every_token(runner_for(model, num_slots, False), prompts, steps)
+    without_cap = logits_of_every_token(runner_for(uncapped, num_slots, False), prompts, steps)
+    tolerance = TOLERANCE if dtype == torch.bfloat16 else FLOAT32_TOLERANCE
+    assert max(agreement(deterministic[key], default[key]) for key in default) <= tolerance
+    assert max(agreement(without_cap[key], default[key]) for key in default) > 10 * tolerance

@@ -5,7 +5,8 @@ a seed).
 Names come from gguf's own tensor map (`gguf.get_tensor_name_map`); what the converter changes is
 changed here too: a Llama's (and Mistral's, written as "llama") q and k rows reordered for
 llama.cpp's rotary layout, Gemma's norms stored plus 1, a tied or Gemma LM head left out, Phi-3's
-longrope factors as `rope_factors_long/short.weight` tensors. Metadata carries the keys the
+longrope factors as `rope_factors_long/short.weight` tensors, a Llama's "llama3" rope scaling as
+the `rope_freqs.weight` divisors (no scaling metadata). Metadata carries the keys the
 converter writes for the family. Norms and biases are F32 (as llama.cpp keeps every 1-D tensor);
 each matrix is of the type `types` names (default F32); K-quants (which gguf cannot quantize) are
 random valid blocks (`gguf_models`), the others gguf's reference quantizer over the model's values.
@@ -31,10 +32,11 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "q
 
 
 def write_hf_gguf(path: Path, hf_model: Any, hf_tokenizer: Any, types: dict[str, str] | None = None,
-                  default_type: str = "F32", seed: int = 0, omit: tuple[str, ...] = ()) -> Path:
+                  default_type: str = "F32", seed: int = 0, omit: tuple[str, ...] = (),
+                  extra: dict[str, np.ndarray] | None = None) -> Path:
     """`hf_model` (a transformers causal LM of a family in GGUF_ARCHITECTURES) and `hf_tokenizer` at
     `path`, as llama.cpp's converter lays them out; matrices of type `types[gguf name]` (default
-    `default_type`); `omit` leaves tensors out."""
+    `default_type`); `omit` leaves tensors out; `extra` adds (or replaces) tensors, written as given."""
     config = hf_model.config
     if config.model_type not in GGUF_ARCHITECTURES:
         raise ValueError(f"model_type must be one of {', '.join(GGUF_ARCHITECTURES)}, got {config.model_type!r}")
@@ -47,6 +49,8 @@ def write_hf_gguf(path: Path, hf_model: Any, hf_tokenizer: Any, types: dict[str,
     for name, values in tensors.items():
         if name in omit:
             continue
+        if name in (extra or {}):
+            continue
         kind = "F32" if values.ndim == 1 else (types or {}).get(name, default_type)
         qtype = gguf.GGMLQuantizationType[kind]
         if kind in _K_QUANT_SCALES:
@@ -56,6 +60,8 @@ def write_hf_gguf(path: Path, hf_model: Any, hf_tokenizer: Any, types: dict[str,
         else:
             data = gguf.quants.quantize(values, qtype)
         writer.add_tensor(name, data, raw_dtype=qtype)  # a uint8 array is read as bytes of `qtype`
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -138,7 +144,34 @@ def _gguf_tensors(arch: str, config: Any, state: dict[str, torch.Tensor]) -> dic
     if arch == "phi3" and rope.get("rope_type") == "longrope":
         out["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
         out["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        out["rope_freqs.weight"] = llama3_rope_freqs(config, rope)
     return out
+
+
+def llama3_rope_freqs(config: Any, rope: dict[str, Any]) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's converter writes for "llama3" rope scaling
+    (`LlamaModel.generate_extra_tensors`), computed as it computes it: each frequency's divisor,
+    1 for the high ones, `factor` for the low ones, the inverse of the blend between. Its
+    arithmetic is float32 where the frequency enters (a torch scalar), Python floats elsewhere."""
+    base = rope.get("rope_theta", 10000.0)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low_freq_factor, high_freq_factor = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context_len = rope.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low_freq_factor, old_context_len / high_freq_factor
+    factors: list[Any] = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor([float(f) for f in factors], dtype=torch.float32).numpy()
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, hf_tokenizer: Any, vocab_size: int) -> None:

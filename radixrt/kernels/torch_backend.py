@@ -38,8 +38,10 @@ older than its first new token's window before grouping (a decode then reads
 exactly its last `window` keys, through SDPA or the C kernel alike) and adds
 `key > query - window` to the extend masks. A shared prefix is split out only
 when every member's queries see all of it; otherwise its members attend alone.
-Soft-capped scores (Gemma 2) have no SDPA or C kernel: every group then takes
-the explicit-scores path of `attention_with_lse`, with its masks made explicit.
+Soft-capped scores (Gemma 2) have no SDPA: every group of `plan` then takes
+the explicit-scores path of `attention_with_lse`, with its masks made explicit;
+deterministic steps' segments go to the C kernel, which caps each chunk's
+scores before its softmax.
 """
 
 from __future__ import annotations
@@ -146,9 +148,9 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         return self._segment_kernel.chunk
 
     def plan_segments(self, segments: AttentionSegments, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:
-        """Every row through the C kernel (no soft-cap)."""
-        if self._segment_kernel is None or attention.logit_softcap is not None:
-            raise ValueError("segment plans need the C attention kernel and attention without a soft-cap")
+        """Every row through the C kernel (windows and score caps included)."""
+        if self._segment_kernel is None:
+            raise ValueError("segment plans need the C attention kernel (attends_segments)")
         return TorchAttentionPlan((), (), attention, segments)
 
     def plan(self, batch: ForwardBatch, attention: LayerAttention = FULL_ATTENTION) -> TorchAttentionPlan:
@@ -205,7 +207,7 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
         k_pool, v_pool = self.kv_cache.k[layer], self.kv_cache.v[layer]
         scale, softcap = self.softmax_scale(plan.attention), plan.attention.logit_softcap
         if plan.segments is not None:
-            return self._attend_segments(q, k_pool, v_pool, batch, plan.segments, scale)
+            return self._attend_segments(q, k_pool, v_pool, batch, plan.segments, scale, softcap)
         first = plan.groups[0]
         out = None if first.out_rows is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.cascades:
@@ -249,15 +251,15 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionPlan]):
 
     def _attend_segments(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
-        segments: AttentionSegments, scale: float,
+        segments: AttentionSegments, scale: float, softcap: float | None,
     ) -> torch.Tensor:
-        """Every row through the C kernel, its keys as `segments` list them."""
+        """Every row through the C kernel, its keys as `segments` list them, scores capped by `softcap`."""
         assert self._segment_kernel is not None
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tensors = (segments.starts, segments.lens, segments.row_ptr, segments.rows)
-        self._segment_kernel.segments(q, k_pool, v_pool, batch.kv_indices, tensors, out, None, scale)
+        self._segment_kernel.segments(q, k_pool, v_pool, batch.kv_indices, tensors, out, None, scale, softcap)
         return out
 
     def _shared_prefix(

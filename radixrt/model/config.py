@@ -7,6 +7,7 @@ reads both and everything downstream sees one frozen, validated shape.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,8 @@ class ModelConfig:
     attention scores and of the final logits; `local_rope_theta` is the rope
     base of Gemma 3's sliding layers (no scaling there). `partial_rotary_factor`:
     the share of each head's dims that rotate (Phi-4-mini: 0.75).
+    `rope_freq_factors` (rotary_dim // 2 values, or none): llama.cpp's per-frequency
+    divisors (a Llama 3 GGUF's `rope_freqs.weight`), applied before `rope_scaling`.
     """
 
     architecture: str
@@ -117,6 +120,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     local_rope_theta: float | None = None
+    rope_freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (
@@ -144,6 +148,8 @@ class ModelConfig:
                 if len(getattr(scaling, name)) != self.rotary_dim // 2:
                     raise ValueError(f"longrope {name} must have rotary_dim // 2 = {self.rotary_dim // 2} entries, "
                                      f"got {len(getattr(scaling, name))}")
+        if self.rope_freq_factors:
+            _check_freq_factors(self.rope_freq_factors, self.rotary_dim, scaling)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.sliding_layers is not None and not all(0 <= i < self.num_layers for i in self.sliding_layers):
@@ -242,6 +248,7 @@ class ModelConfig:
             attn_logit_softcapping=_optional_float(getattr(hf_config, "attn_logit_softcapping", None)),
             final_logit_softcapping=_optional_float(getattr(hf_config, "final_logit_softcapping", None)),
             local_rope_theta=local_rope_theta,
+            rope_freq_factors=tuple(float(f) for f in getattr(hf_config, "rope_freq_factors", None) or ()),
         )
 
 
@@ -360,6 +367,18 @@ def _scaling(hf_config: Any, params: dict[str, Any], theta: float, rope_type: st
         long_factor=tuple(float(f) for f in params["long_factor"]),
         **common,
     )
+
+
+def _check_freq_factors(factors: tuple[float, ...], rotary_dim: int, scaling: RopeScaling | None) -> None:
+    """llama.cpp divides each rotary frequency by its factor, then applies its own scaling types
+    (linear, yarn) on top; no file pairs the factors with another type."""
+    if len(factors) != rotary_dim // 2:
+        raise ValueError(f"rope_freq_factors must have rotary_dim // 2 = {rotary_dim // 2} entries, got {len(factors)}")
+    if not all(math.isfinite(f) and f > 0 for f in factors):
+        raise ValueError(f"rope_freq_factors must be finite and > 0, got {list(factors)}")
+    if scaling is not None and scaling.rope_type not in ("linear", "yarn"):
+        raise ValueError(f"rope_freq_factors combine only with no rope scaling, linear or yarn, got "
+                         f"{scaling.rope_type!r}")
 
 
 def _optional_float(value: Any) -> float | None:

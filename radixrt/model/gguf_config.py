@@ -12,7 +12,14 @@ rope scaling), so the metadata is mapped here, for every family, into the fields
     {arch}.attention.sliding_window, sliding_window_pattern, attn_/final_logit_softcapping
     tokenizer.ggml.eos/eot/eom_token_id: the tokens generation ends at
     tensors: output.weight absent = tied embeddings; attn_q.bias = attention biases;
-        rope_factors_long/short.weight = Phi-3's longrope factors
+        rope_factors_long/short.weight = Phi-3's longrope factors; rope_freqs.weight = a
+        Llama's per-frequency rope divisors (`rope_freq_factors`)
+
+Llama 3.1/3.2's "llama3" rope scaling is not in the metadata: the converter stores it as
+`rope_freqs.weight`, one divisor per rotary frequency, and llama.cpp divides each frequency
+by it in every layer, before the scaling the metadata names (linear's or YaRN's, applied on
+top), so both are kept here. llama.cpp reads the tensor in Llama files only (a file of another
+family holding it does not load there, and is refused here).
 
 What the file does not say is what llama.cpp assumes: Gemma 2 windows every other layer,
 Gemma 3 five layers in six with a rope base of 10000 there, and Gemma's query scale is
@@ -41,6 +48,7 @@ _ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_ROPE_FREQS = "rope_freqs.weight"
 _END_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
@@ -126,6 +134,8 @@ def hf_config(file: GGUFFile) -> MetadataConfig:
         config["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
     else:
         config["rope_parameters"] = rope
+    if _ROPE_FREQS in file.tensors:
+        config["rope_freq_factors"] = _rope_freq_factors(file, rope, config["head_dim"])
     return config
 
 
@@ -165,6 +175,27 @@ def _rope(file: GGUFFile, key: Any, config: MetadataConfig) -> dict[str, Any]:
             if value is not None:
                 rope[name] = float(value)
     return rope
+
+
+def _rope_freq_factors(file: GGUFFile, rope: dict[str, Any], head_dim: int) -> list[float]:
+    """`rope_freqs.weight`'s divisors, each the float32 stored (as a Python float, exactly)."""
+    where = f"{file.path}: tensor {_ROPE_FREQS}"
+    if file.architecture != "llama":
+        raise ValueError(f"{where} is llama.cpp's rope factors of Llama files; a {file.architecture} file "
+                         "cannot carry it")
+    if rope["rope_type"] == "longrope":
+        raise ValueError(f"{where} cannot go with longrope scaling (llama.cpp would run only {_ROPE_FREQS})")
+    half = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+    tensor = file.tensors[_ROPE_FREQS]
+    if tensor.type_name != "F32" or tuple(tensor.shape) != (half,):
+        raise ValueError(f"{where} must be F32 of shape ({half},) (rotary dims / 2), got {tensor.type_name} "
+                         f"{tuple(tensor.shape)}")
+    values = tensor.data.view(np.float32).reshape(-1)
+    bad = [i for i, v in enumerate(values) if not (math.isfinite(v) and v > 0)]
+    if bad:
+        raise ValueError(f"{where} must hold finite values > 0; entries {bad[:8]} are "
+                         f"{[float(values[i]) for i in bad[:8]]}")
+    return [float(v) for v in values]
 
 
 def _factors(file: GGUFFile, name: str) -> list[float]:

@@ -31,10 +31,10 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 _PERMUTED = ("LlamaForCausalLM", "MistralForCausalLM")
 _PHI3_PROJECTIONS: dict[str, tuple[str, ...]] = {"qkv": ("attn_qkv",), "o": ("attn_output",), "gate_up": ("ffn_up",),
                                                   "down": ("ffn_down",)}
-# Tensors read into the config, not the model (Phi-3's longrope factors), or not read at all
-# (llama.cpp's precomputed Llama 3 rope factors, which transformers does not read either).
-CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-IGNORED = ("rope_freqs.weight", *CONFIG_TENSORS)
+# Tensors read into the config, not the model (`gguf_config`): Phi-3's longrope factors and a
+# Llama's per-frequency rope divisors (llama.cpp's Llama 3 rope scaling)
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
+IGNORED = CONFIG_TENSORS
 
 
 @dataclass(frozen=True)

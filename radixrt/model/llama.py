@@ -342,7 +342,8 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _weight(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         )
-        self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling, device)
+        self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling, device,
+                                    config.rope_freq_factors)
         # Gemma 3's sliding layers rotate with their own base
         self.local_rope = None
         if config.local_rope_theta is not None:
@@ -502,7 +503,7 @@ class LlamaForCausalLM(nn.Module):
         weights the quantized kernels (every projection, the file's own LM head; the whole-step
         kernel where it takes the model, any family, score caps included); on dense
         bf16 or float32 weights the rowwise matmul; and the C attention reading the pool,
-        full or in a sliding window, without a score cap (RMSNorm:
+        full or in a sliding window, scores capped or not (RMSNorm:
         radixrt's in bf16, torch's in float32 and Gemma's, whose rows are reduced alone:
         measured, and the tests check it).
         """
@@ -524,8 +525,6 @@ class LlamaForCausalLM(nn.Module):
                 return None
         elif cpu.rowwise_matmul() is None:
             return "deterministic steps on dense weights need radixrt's rowwise matmul: a C compiler"
-        if any(kind.logit_softcap is not None for kind in self.attention_kinds):
-            return "deterministic steps do not cover soft-capped attention scores (Gemma 2) yet"
         return None
 
     def prepare_deterministic(self) -> None:

@@ -12,6 +12,13 @@ picks them from the longest sequence of the batch, so a token's rotation there
 depends on its batch-mates; here each token's rotation depends on its own
 position only (see docs/model.md), which is what transformers does for a lone
 sequence decoded one token at a time.
+
+A Llama 3 GGUF carries its "llama3" scaling as llama.cpp's per-frequency divisors
+(`rope_freqs.weight`, `ModelConfig.rope_freq_factors`): ggml's rope divides each
+frequency by its factor before its own scaling (`freq_factors`: theta / ff, then
+linear's or YaRN's interpolation), so here the base inverse frequencies are divided by
+them before `scaling` applies. They are folded into `inv_freq`, so the cos/sin of
+`cos_sin` and `tables` (the layer path's and the whole-step kernel's) carry them.
 """
 
 from __future__ import annotations
@@ -27,25 +34,44 @@ def _exponents(head_dim: int) -> torch.Tensor:
     return torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
 
 
-def rope_parameters(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
+def rope_parameters(head_dim: int, theta: float, scaling: RopeScaling | None,
+                    freq_factors: tuple[float, ...] = ()) -> tuple[torch.Tensor, float]:
     """(fp32 [head_dim // 2] inverse frequencies, attention scaling of cos/sin) for short positions.
 
     "Short" means below `long_position_threshold`; for every rope type but
-    "dynamic" and "longrope" that is every position.
+    "dynamic" and "longrope" that is every position. `freq_factors` (head_dim // 2
+    values, or none) divide the base frequencies before `scaling` (None, "linear" or
+    "yarn" with them, as llama.cpp combines them).
     """
+    factors = _freq_factors(freq_factors, head_dim, scaling)
+    base = 1.0 / (theta ** _exponents(head_dim))
+    if factors is not None:
+        base = base / factors
     if scaling is None:
-        return 1.0 / (theta ** _exponents(head_dim)), 1.0
+        return base, 1.0
     rope_type = scaling.rope_type
     if rope_type == "linear":
-        return 1.0 / (theta ** _exponents(head_dim)) / scaling.factor, 1.0
+        return base / scaling.factor, 1.0
     if rope_type == "llama3":
-        return _llama3_scaled(1.0 / (theta ** _exponents(head_dim)), scaling), 1.0
+        return _llama3_scaled(base, scaling), 1.0
     if rope_type == "dynamic":
         return _dynamic_ntk_within_training(head_dim, theta, scaling), 1.0
     if rope_type == "yarn":
-        return _yarn(head_dim, theta, scaling)
+        return _yarn(head_dim, theta, scaling, factors)
     assert rope_type == "longrope", rope_type
     return _longrope(head_dim, theta, scaling.short_factor), _longrope_attention_factor(scaling)
+
+
+def _freq_factors(freq_factors: tuple[float, ...], head_dim: int, scaling: RopeScaling | None) -> torch.Tensor | None:
+    """The divisors as fp32 (None without any); ValueError where llama.cpp would not run them."""
+    if not freq_factors:
+        return None
+    factors = torch.tensor(freq_factors, dtype=torch.float32)
+    if factors.shape != (head_dim // 2,) or not bool(torch.isfinite(factors).all() and (factors > 0).all()):
+        raise ValueError(f"rope freq_factors must be {head_dim // 2} finite values > 0, got {list(freq_factors)}")
+    if scaling is not None and scaling.rope_type not in ("linear", "yarn"):
+        raise ValueError(f"rope freq_factors combine only with no scaling, linear or yarn, got {scaling.rope_type!r}")
+    return factors
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -70,8 +96,11 @@ def _dynamic_ntk_within_training(head_dim: int, theta: float, scaling: RopeScali
     return 1.0 / (base ** _exponents(head_dim))
 
 
-def _yarn(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
-    """YaRN: interpolate low frequencies, keep high ones, ramp between; scale attention by mscale."""
+def _yarn(head_dim: int, theta: float, scaling: RopeScaling,
+          freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, ramp between; scale attention by mscale.
+    With `freq_factors`, both the kept and the interpolated frequencies are the divided ones
+    (ggml's rope_yarn receives theta / ff); the ramp does not depend on them."""
     factor = scaling.factor
 
     def mscale(scale: float, coefficient: float = 1.0) -> float:
@@ -97,7 +126,12 @@ def _yarn(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tens
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp
     pos_freqs = theta ** _exponents(head_dim)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    if freq_factors is None:
+        interpolation, extrapolation = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    else:
+        extrapolation = 1.0 / pos_freqs / freq_factors
+        interpolation = extrapolation / factor
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
     return inv_freq, attention_factor
 
 
@@ -126,13 +160,15 @@ class RotaryEmbedding:
 
     With "dynamic" or "longrope", a token at position p >= `long_position_threshold`
     uses the frequencies transformers computes for a sequence of p + 1 tokens.
+    `freq_factors`: llama.cpp's per-frequency divisors (`rope_parameters`).
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device,
+                 freq_factors: tuple[float, ...] = ()):
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = scaling
-        inv_freq, self.attention_scaling = rope_parameters(head_dim, theta, scaling)
+        inv_freq, self.attention_scaling = rope_parameters(head_dim, theta, scaling, freq_factors)
         self.inv_freq = inv_freq.to(device)
         self.long_position_threshold: int | None = None
         self.long_inv_freq: torch.Tensor | None = None

@@ -27,7 +27,8 @@ class DecodeAttention:
         self._segments_fn.argtypes = [
             pointer, i64, pointer, pointer, pointer,  # q, q_row_stride, k_pool, v_pool, kv_indices
             i32, pointer, pointer, pointer, pointer,  # segments: count, starts, lens, row_ptr, rows
-            i32, i32, i32, ctypes.c_float, i32, pointer, pointer,  # Hq, Hkv, D, scale, num_threads, out, lse
+            i32, i32, i32, ctypes.c_float, ctypes.c_float,  # Hq, Hkv, D, scale, softcap (0: none)
+            i32, pointer, pointer,  # num_threads, out, lse
             i32,  # 1: q, pools and out float32; 0: bf16
         ]
         self._segments_fn.restype = i32
@@ -37,16 +38,17 @@ class DecodeAttention:
     def segments(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
         segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor,
-        lse: torch.Tensor | None, scale: float,
+        lse: torch.Tensor | None, scale: float, softcap: float | None = None,
     ) -> None:
         """Attention of query rows over segments (starts, lens, row_ptr, rows: `kernels.segments`),
         layouts as in `__call__`: each listed row of `out` (and `lse`) written once. q, the pools
-        and out may also all be float32 (`supports_segments`)."""
+        and out may also all be float32 (`supports_segments`). `softcap`: scores become
+        softcap * tanh(score / softcap) before the softmax (None: not capped)."""
         starts, lens, row_ptr, rows = segments
         status = self._segments_fn(
             q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_indices.data_ptr(),
             starts.numel(), starts.data_ptr(), lens.data_ptr(), row_ptr.data_ptr(), rows.data_ptr(),
-            q.shape[1], k_pool.shape[1], q.shape[2], scale, call_threads(), out.data_ptr(),
+            q.shape[1], k_pool.shape[1], q.shape[2], scale, softcap or 0.0, call_threads(), out.data_ptr(),
             0 if lse is None else lse.data_ptr(), int(q.dtype == torch.float32),
         )  # fmt: skip
         self._check(status, q, k_pool)

@@ -304,14 +304,14 @@ void radixrt_attention_run(const Team *team, AttentionWork *w, atomic_long *next
 /*
  * Attention of the query rows over the segments (kernels.h), written to the same rows of out
  * (and lse); q, the pools and out are bf16, or float32 with f32 = 1 (deterministic mode in
- * float32). Returns 0, -1 for shapes this kernel was not built for (the caller checks them
- * first), -2 without memory.
+ * float32). softcap > 0: scores soft-capped (softmax_rows), 0: not. Returns 0, -1 for shapes
+ * this kernel was not built for (the caller checks them first), -2 without memory.
  */
 int radixrt_segment_attention(
     const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool,
     const int64_t *kv_indices, int num_segments, const int64_t *starts, const int64_t *lens,
     const int64_t *row_ptr, const int64_t *rows, int num_q_heads, int num_kv_heads, int head_dim, float scale,
-    int num_threads, void *out, float *lse, int f32
+    float softcap, int num_threads, void *out, float *lse, int f32
 ) {
     if (num_q_heads % num_kv_heads || num_q_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
     Segments seg = {num_segments, starts, lens, row_ptr, rows, num_q_heads, num_kv_heads, head_dim, f32};
@@ -322,8 +322,8 @@ int radixrt_segment_attention(
     #pragma omp parallel num_threads(num_threads)
     {
         Team team = {&barrier, omp_get_thread_num(), omp_get_num_threads()};
-        radixrt_attention_run(&team, work, &next_item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, 0.0f, out, lse,
-                              NULL);
+        radixrt_attention_run(&team, work, &next_item, q, q_row_stride, k_pool, v_pool, kv_indices, scale, softcap, out,
+                              lse, NULL);
     }
     radixrt_attention_work_free(work);
     return 0;
@@ -342,8 +342,8 @@ int radixrt_decode_attention_bf16(
     if (row_ptr == NULL) return -2;
     for (int s = 0; s <= num_seqs; s++) row_ptr[s] = s;
     int status = radixrt_segment_attention(q, q_row_stride, k_pool, v_pool, kv_indices, num_seqs, kv_starts, kv_lens,
-                                           row_ptr, q_rows, num_q_heads, num_kv_heads, head_dim, scale, num_threads,
-                                           out, lse, 0);
+                                           row_ptr, q_rows, num_q_heads, num_kv_heads, head_dim, scale, 0.0f,
+                                           num_threads, out, lse, 0);
     free(row_ptr);
     return status;
 }
