@@ -21,17 +21,21 @@ and special ids as metadata. transformers turns these into a fast tokenizer in t
             replaces the pre-tokenizer by that split then byte-level
     outer   the model family's tokenizer class: bos/eos/unk/pad are the file's tokens at
             `tokenizer.ggml.*_token_id` (Gemma's class adds <mask>); any not yet an added token
-            is added as a special one; the post-processor puts bos first if
+            is added as a special one (Qwen's class adds them all once more, which makes a
+            user-defined one special); the post-processor puts bos first if
             `tokenizer.ggml.add_bos_token` (true by default for "llama" vocabularies) and eos
-            last if `add_eos_token`; the chat template is `tokenizer.chat_template`
+            last if `add_eos_token`, where the file names that token; the chat template is
+            `tokenizer.chat_template`
 
 Where the file says something this module does not reproduce exactly, `tokenizer_record`
 returns None and says why at INFO, and the loader reads the tokenizer through transformers: a
 tokenizer model other than "gpt2" and "llama", an architecture outside `gguf_families`, a
 byte-level vocabulary without merges, a `tokenizer.ggml.pre` that is neither a known split nor
-one transformers leaves at GPT-2's default, a bos/eos added with no such token, and a large
-vocabulary beside a `config.json` (transformers may patch Mistral's split regex from it).
-tests/test_gguf_tokenizer.py holds the result equal to transformers' for each kind.
+one whose llama.cpp regex is GPT-2's (transformers gives every other name GPT-2's split too,
+which this module does not follow blindly), metadata that does not build a tokenizer, and a
+large vocabulary beside a `config.json` (transformers may patch Mistral's split regex from
+it). The tables follow the installed transformers' GGUF conversion; tests/test_gguf_tokenizer.py
+holds the result equal to it for each kind of vocabulary.
 """
 
 from __future__ import annotations
@@ -130,6 +134,7 @@ def _record(file: GGUFFile) -> TokenizerRecord:
         raise NotReproduced(f"pre-tokenizer {pre!r}")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     token_types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or ()
+    named: tuple[str, ...]
     if model == "gpt2":
         backend, named = _byte_level(tokens, meta.get("tokenizer.ggml.merges")), _GPT2_NAMED
     elif arch in ("gemma2", "gemma3"):
@@ -255,7 +260,8 @@ def _recovered_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[t
     the pieces' ids), as transformers recovers them."""
     found: list[tuple[str, str, float]] = []
     for token, score in scores.items():
-        splits = [(token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        splits = [(token[:i], token[i:], score) for i in range(1, len(token))
+                  if token[:i] in vocab and token[i:] in vocab]  # fmt: skip
         splits.sort(key=lambda split: (vocab[split[0]], vocab[split[1]]))
         found.extend(splits)
     found.sort(key=lambda split: (split[2], len(split[0]), len(split[1])), reverse=True)
@@ -287,7 +293,8 @@ def _add_file_specials(backend: Any, tokens: list[str], token_types: Sequence[in
         backend.add_special_tokens(control)
     vocab = backend.get_vocab(with_added_tokens=True)
     user_defined = [AddedToken(token, normalized=False, special=False)
-                    for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED and token in vocab]  # fmt: skip
+                    for token, kind in zip(tokens, token_types)
+                    if kind == _USER_DEFINED and token in vocab]  # fmt: skip
     if user_defined:
         backend.add_tokens(user_defined)
 
