@@ -192,12 +192,31 @@ def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gguf-tokenizers")
 
 
-@pytest.fixture(params=[*CASES, "bundled"])
+# SmolLM2's real vocabulary (byte-level, 49152 tokens) as other families' files would state it
+BUNDLED_AS = {
+    "bundled-as-qwen2": dict(arch="qwen2", pre="qwen2", add_bos=False),
+    "bundled-as-llama3": dict(arch="llama", pre="llama-bpe", add_bos=True, add_eos=True),
+}
+
+
+def bundled_vocabulary(arch: str, pre: str, **options: Any) -> dict[str, Any]:
+    meta = GGUFFile(bundled_model_path()).metadata
+    ids = dict(bos=meta["tokenizer.ggml.bos_token_id"], eos=meta["tokenizer.ggml.eos_token_id"],
+               unk=meta["tokenizer.ggml.unknown_token_id"], pad=meta["tokenizer.ggml.padding_token_id"])  # fmt: skip
+    return dict(arch=arch, model="gpt2", pre=pre, tokens=meta["tokenizer.ggml.tokens"],
+                types=meta["tokenizer.ggml.token_type"], merges=meta["tokenizer.ggml.merges"], ids=ids,
+                template=meta["tokenizer.chat_template"], **options)  # fmt: skip
+
+
+@pytest.fixture(params=[*CASES, *BUNDLED_AS, "bundled"])
 def tokenizer_file(request: pytest.FixtureRequest, gguf_dir: Path) -> Path:
-    if request.param == "bundled":  # SmolLM2's real vocabulary: byte-level, pre-tokenizer "smollm"
+    if request.param == "bundled":  # as shipped: pre-tokenizer "smollm", no bos added
         return bundled_model_path()
     path = gguf_dir / f"{request.param}.gguf"
-    return path if path.exists() else write_tokenizer_gguf(path, **CASES[request.param])
+    if not path.exists():
+        options = CASES.get(request.param) or bundled_vocabulary(**BUNDLED_AS[request.param])
+        write_tokenizer_gguf(path, **options)
+    return path
 
 
 def transformers_tokenizer(path: Path) -> Any:
@@ -251,12 +270,14 @@ def test_a_built_tokenizer_serves_other_attributes_from_transformers(gguf_dir, t
     ("model", dict(model="bert"), "tokenizer model 'bert'"),
     ("pre", dict(pre="deepseek-llm"), "pre-tokenizer 'deepseek-llm'"),
     ("merges", dict(merges=None), "a byte-level vocabulary without merges"),
+    ("merge", dict(merges=["Ġ t", "Ġ zzz"]), "the metadata did not build one: Error while initializing BPE"),
+    ("bos", dict(ids=dict(bos=10**6)), "the metadata did not build one: list index out of range"),
 ])  # fmt: skip
 def test_what_is_not_reproduced_is_left_to_transformers_and_said(what, change, reason, gguf_dir, caplog):
     path = write_tokenizer_gguf(gguf_dir / f"not-{what}.gguf", **{**CASES["llama-bpe"], **change})
     with caplog.at_level(logging.INFO, logger="radixrt.model.gguf_tokenizer"):
         assert tokenizer_record(GGUFFile(path)) is None
-    assert f"not-{what}.gguf: its tokenizer is read through transformers ({reason})" in caplog.text
+    assert f"not-{what}.gguf: its tokenizer is read through transformers ({reason}" in caplog.text
 
 
 def test_a_large_vocabulary_beside_a_config_json_is_left_to_transformers(tmp_path):
