@@ -54,6 +54,7 @@ from radixrt.model.gguf_families import ARCHITECTURES, layer_tensors, output_nor
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
 from radixrt.model.gguf_int4 import PROJECTIONS, Int4Weight, Int8Weight
 from radixrt.model.gguf_plan import TensorPlan
+from radixrt.model.gguf_tokenizer import tokenizer_record
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.start_record import read_record, write_record
 from radixrt.model.tokenizer import Tokenizer
@@ -69,16 +70,25 @@ def is_native_architecture(file: GGUFFile) -> bool:
 
 
 def config_and_tokenizer(file: GGUFFile) -> tuple[ModelConfig, Any, Callable[[], Any]]:
-    """The model config (from the file's metadata: `gguf_config`), the tokenizer (from the file's
-    start record, else through transformers over the metadata, recorded) and a reader of the
-    transformers config."""
+    """The model config (from the file's metadata: `gguf_config`), the tokenizer and a reader of
+    the transformers config.
+
+    The tokenizer comes from the file's start record; else it is built from the metadata as
+    transformers builds it (`gguf_tokenizer`, without importing transformers) and recorded; else
+    (a vocabulary that module does not reproduce) it is read through transformers and recorded.
+    Attributes a recorded tokenizer lacks are read from transformers' tokenizer, built on first use.
+    """
     hf_config = gguf_config.hf_config(file)
     config = ModelConfig.from_hf(hf_config)
     read_hf_config = functools.cache(hf_config.transformers_config)
+    load_transformers = functools.partial(_transformers_tokenizer, file.path)
     record = read_record(file)
     if record is not None:
-        tokenizer = Tokenizer(record.tokenizer, functools.partial(_transformers_tokenizer, file.path))
-        return config, tokenizer, read_hf_config
+        return config, Tokenizer(record.tokenizer, load_transformers), read_hf_config
+    built = tokenizer_record(file)
+    if built is not None:
+        write_record(file, hf_config, config, built)
+        return config, Tokenizer(built, load_transformers), read_hf_config
     hf_tokenizer = _transformers_tokenizer(file.path)
     written = write_record(file, hf_config, config, hf_tokenizer)
     tokenizer = hf_tokenizer if written is None else Tokenizer(written.tokenizer, lambda: hf_tokenizer)

@@ -5,22 +5,28 @@ Importing transformers and reading a folder through it (config, tokenizer)
 takes seconds on the project's 2-core machine (docs/model.md); the weights
 never needed it. The first load of a folder still goes through transformers
 and records what it read; later loads build `ModelConfig` and the
-`tokenizer.Tokenizer` from the record alone:
+`tokenizer.Tokenizer` from the record alone. A GGUF file's first load needs no
+transformers either where radixrt builds its tokenizer from the metadata as
+transformers would (`gguf_tokenizer`; its config comes from the metadata in
+any case, `gguf_config`): that record is written the same way.
 
     $RADIXRT_CACHE_DIR (default ~/.cache/radixrt)/start/<folder name>-<key>.json
         {"format": 1, "config": {...transformers' full config...}, "tokenizer": {...TokenizerRecord...}}
 
-`<key>` hashes the record format, the installed transformers version,
-`radixrt/model/config.py` (the code that reads a config) and every file of
-the folder except weights, name and bytes (for a GGUF file: its header and
-metadata, which hold config and tokenizer): a change to any of them makes a
-new record, read through transformers once. The folder keeps the
-`MAX_RECORDS` most recently used records (a read refreshes a record's time):
-without a bound, every temporary model folder a test suite makes, and every
-transformers upgrade, would leave records behind for good. A record is written only where
-it reproduces transformers: `ModelConfig.from_hf` over the recorded config
-must equal it over the transformers config, and `TokenizerRecord.of` must
-accept the tokenizer (else every start uses transformers, as before).
+`<key>` hashes the record format, the installed transformers version (its
+package metadata: nothing is imported), `radixrt/model/config.py` (the code
+that reads a config) and every file of the folder except weights, name and
+bytes (for a GGUF file: its header and metadata, which hold config and
+tokenizer, and `gguf_config.py` and `gguf_tokenizer.py`, the code that reads
+them): a change to any of them makes a new record, read through transformers
+(or `gguf_tokenizer`) once. The folder keeps the `MAX_RECORDS` most recently
+used records (a read refreshes a record's time): without a bound, every
+temporary model folder a test suite makes, and every transformers upgrade,
+would leave records behind for good. A record is written only where it
+reproduces transformers: `ModelConfig.from_hf` over the recorded config must
+equal it over the config read, and `TokenizerRecord.of` must accept the
+tokenizer, or the tokenizer record is `gguf_tokenizer`'s, built only for the
+vocabularies it reproduces (else every start uses transformers, as before).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from radixrt.model import config as config_module
+from radixrt.model import gguf_config, gguf_tokenizer
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_file import GGUFFile
 from radixrt.model.tokenizer import TokenizerRecord
@@ -70,6 +77,8 @@ def record_path(source: Path | GGUFFile) -> Path:
     digest = hashlib.sha256(f"radixrt-start-record-v{_FORMAT}:{_transformers_version()}:".encode())
     digest.update(Path(config_module.__file__).read_bytes())
     if isinstance(source, GGUFFile):
+        digest.update(Path(gguf_config.__file__).read_bytes())
+        digest.update(Path(gguf_tokenizer.__file__).read_bytes())
         digest.update(b"\0gguf\0" + source.metadata_bytes())
         return cache_root() / "start" / f"{source.path.stem}-{digest.hexdigest()[:16]}.json"
     for path in sorted(source.iterdir()):
@@ -95,17 +104,21 @@ def read_record(source: Path | GGUFFile) -> StartRecord | None:
 
 
 def write_record(source: Path | GGUFFile, hf_config: Any, model_config: ModelConfig,
-                 hf_tokenizer: Any) -> StartRecord | None:
-    """Record what transformers read from a folder (a GGUF file), if the record reproduces it; None if it would not.
+                 tokenizer: Any) -> StartRecord | None:
+    """Record the config and tokenizer of a folder (a GGUF file), if the record reproduces them; None if it would not.
 
-    A cache that cannot be written only costs the next start its speed-up.
+    `hf_config` is transformers' config, or one read as it is (`gguf_config.MetadataConfig`:
+    `to_json_string` and attribute access); `tokenizer` is transformers' tokenizer, or the
+    `TokenizerRecord` of one (`gguf_tokenizer.tokenizer_record`: then nothing here imports
+    transformers). A cache that cannot be written only costs the next start its speed-up.
     """
     name = source.path.name if isinstance(source, GGUFFile) else source.name
-    tokenizer = TokenizerRecord.of(hf_tokenizer)
-    if tokenizer is None:
-        logger.info("%s: its tokenizer (%s) is read through transformers on every start", name,
-                    type(hf_tokenizer).__name__)
-        return None
+    if not isinstance(tokenizer, TokenizerRecord):
+        hf_tokenizer, tokenizer = tokenizer, TokenizerRecord.of(tokenizer)
+        if tokenizer is None:
+            logger.info("%s: its tokenizer (%s) is read through transformers on every start", name,
+                        type(hf_tokenizer).__name__)
+            return None
     try:
         record = StartRecord(json.loads(hf_config.to_json_string(use_diff=False)), tokenizer)
         reproduced = record.model_config() == model_config

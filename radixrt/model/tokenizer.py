@@ -13,7 +13,8 @@ paths radixrt uses reduce to that layer's state:
 `TokenizerRecord.of` takes that state from a loaded transformers tokenizer
 (its backend as transformers left it, the chat template, the special
 tokens) and refuses tokenizers whose class changes any of these paths;
-`Tokenizer` runs a record. Any other attribute (`tokenizer.vocab`,
+`gguf_tokenizer.tokenizer_record` builds the same state from a GGUF file's
+metadata without transformers; `Tokenizer` runs a record. Any other attribute (`tokenizer.vocab`,
 `tokenizer(...)`, `save_pretrained`, ...) is the transformers tokenizer's,
 built on first use, so `Runtime.tokenizer` answers everything a transformers
 tokenizer does.
