@@ -4,8 +4,8 @@ Every family in `gguf_families.ARCHITECTURES` is read so: llama (Llama, SmolLM, 
 llama.cpp writes it), qwen2 (Qwen2, Qwen2.5), qwen3, phi3, gemma2 and gemma3 (the text model).
 
     file ──mmap──► GGUFFile ──► config: the metadata, mapped per family (`gguf_config`)
-       │                   └──► tokenizer: the start record, or transformers over the metadata
-       │                        once (then recorded: `start_record`)
+       │                   └──► tokenizer: the start record, else built from the metadata
+       │                        (`gguf_tokenizer`; transformers where it declines), then recorded
        │
        ├─ projections, LM head and embedding in a     ──► repacked from the file's blocks into the
        │  format with a packed layout (Q4_0, Q4_1,        formats' tile layouts (`cpu.PackedWeight`,
