@@ -121,14 +121,19 @@ def test_deterministic_steps_are_batch_invariant(family):
     """A prompt in chunks, then two sequences sharing it, against each prompt alone: every
     token's logits bit for bit."""
     name, model = family
-    length = longest_context(name)
+    prompts, steps = chunked_then_shared(longest_context(name))
+    assert differences(model, prompts, steps, deterministic=True) == 0
+
+
+def chunked_then_shared(length: int) -> tuple[list[Sequence], list[list[tuple[int, int, int]]]]:
+    """A prompt of `length` random tokens and 3 more in chunks, then a second sequence sharing
+    its first `length` tokens, as `differences` takes them."""
     rng = random.Random(0)
     shared = [rng.randrange(TINY_VOCAB) for _ in range(length)]
     own_slots = torch.arange(length + 3, length + 5)
     prompts = [Sequence(shared + [5, 6, 7], torch.arange(length + 3), length, True),
                Sequence(shared + [8, 9], torch.cat([torch.arange(length), own_slots]), length, False)]
-    steps = [[(0, 0, 37)], [(0, 37, length)], [(0, length, length + 3), (1, length, length + 2)]]
-    assert differences(model, prompts, steps, deterministic=True) == 0
+    return prompts, [[(0, 0, 37)], [(0, 37, length)], [(0, length, length + 3), (1, length, length + 2)]]
 
 
 def test_a_decode_run_equals_as_many_single_steps(family):
@@ -218,12 +223,7 @@ def test_a_dense_gemma2_is_batch_invariant_with_its_score_cap(dtype, make_tiny_h
     assert model.config.attn_logit_softcapping is not None and WholeStep.stack_for(model) is None
     uncapped = prepacked(make_tiny_hf_model(architecture, **dict(overrides, attn_logit_softcapping=None)), dtype)
     length = 300
-    rng = random.Random(0)
-    shared = [rng.randrange(TINY_VOCAB) for _ in range(length)]
-    own_slots = torch.arange(length + 3, length + 5)
-    prompts = [Sequence(shared + [5, 6, 7], torch.arange(length + 3), length, True),
-               Sequence(shared + [8, 9], torch.cat([torch.arange(length), own_slots]), length, False)]
-    steps = [[(0, 0, 37)], [(0, 37, length)], [(0, length, length + 3), (1, length, length + 2)]]
+    prompts, steps = chunked_then_shared(length)
     assert differences(model, prompts, steps, deterministic=True) == 0
     num_slots = length + 5
     deterministic = logits_of_every_token(runner_for(model, num_slots, True), prompts, steps)
