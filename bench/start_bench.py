@@ -23,8 +23,9 @@ Python modules start from their compiled bytecode, as an installed package
 does (`PYTHONPYCACHEPREFIX` under the run's folder, written by an untimed
 start first). `--first` measures the first start of the file instead: each
 radixrt start gets an empty cache folder (`RADIXRT_CACHE_DIR`) but the
-compiled kernels, so it reads config and tokenizer through transformers and
-writes the start record.
+compiled kernels, so it builds config and tokenizer from the metadata and
+writes the start record and the packed copy (`packed_copy`; the worker waits
+for it after taking its figures). A later start maps that copy.
 
     python bench/start_bench.py /work/models/smollm2-1.7b-shape.Q4_K_M.gguf --runs 3
     python bench/start_bench.py MODEL --runs 3 --systems radixrt --checkouts /work/main /work/wt-start
@@ -96,6 +97,9 @@ def radixrt_worker(model: str, threads: int, kv_tokens: int) -> dict[str, float]
               "imports": marks["imports"] - marks["python+torch"], **spans, "engine": engine,
               "first token": done - began}
     runtime.shutdown()
+    from radixrt.memory import packed_copy
+
+    packed_copy.wait_for_writers()  # a first start's packed copy, whole before the worker's os._exit
     return result
 
 

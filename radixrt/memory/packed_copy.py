@@ -16,10 +16,10 @@ source file's identity and what was packed from it at which dtype; the
 kernels' library, whose name hashes its sources and level, and the Python
 code that lays weights out). A copy is written once, after the first start's
 packing, by a background thread at the lowest priority, into a temporary
-name that is renamed when complete: a reader sees a whole copy or none, and
-the first start does not wait for the disk (the process's exit does). It is written only where it
-pays (`MIN_COPY_BYTES`) and there is room for it (`_FREE_SPACE_FACTOR`
-times its size free). Writing a copy of a source deletes its copies under
+name that is synced and renamed when complete: a reader sees a whole copy or
+none, even after a crash, and the first start does not wait for the disk (the
+process's exit does). It is written only where it pays (`MIN_COPY_BYTES`) and
+there is room for it (`_FREE_SPACE_FACTOR` times its size free). Writing a copy of a source deletes its copies under
 older keys, and the folder keeps the `MAX_COPIES` most recently used.
 RADIXRT_PACKED_COPIES=0 turns copies off (neither read nor written).
 
@@ -135,6 +135,8 @@ def _write(contents: torch.Tensor, path: Path) -> None:
         with open(tmp, "wb") as file:
             for start in range(0, values.size, _WRITE_STRETCH):
                 file.write(values[start : start + _WRITE_STRETCH].data)  # releases the GIL
+            file.flush()
+            os.fsync(file.fileno())  # on disk before it has its name: a crash never leaves a named partial copy
         os.replace(tmp, path)  # readers see a whole copy or none
         _prune(path)
     except OSError as error:
