@@ -19,9 +19,10 @@ packing, by a background thread at the lowest priority, into a temporary
 name that is synced and renamed when complete: a reader sees a whole copy or
 none, even after a crash, and the first start does not wait for the disk (the
 process's exit does). It is written only where it pays (`MIN_COPY_BYTES`) and
-there is room for it (`_FREE_SPACE_FACTOR` times its size free). Writing a copy of a source deletes its copies under
-older keys, and the folder keeps the `MAX_COPIES` most recently used.
-RADIXRT_PACKED_COPIES=0 turns copies off (neither read nor written).
+there is room for it (`_FREE_SPACE_FACTOR` times its size free). Writing a
+copy of a source deletes its copies under older keys, and the folder keeps
+the `MAX_COPIES` most recently used. RADIXRT_PACKED_COPIES=0 turns copies off
+(neither read nor written).
 
 A copy is mapped private and never written to: its pages stay the page
 cache's, shared by every process that maps them.
