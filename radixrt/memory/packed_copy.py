@@ -55,8 +55,9 @@ MIN_COPY_BYTES = 64 << 20
 _FREE_SPACE_FACTOR = 2  # a copy leaves at least its own size free on the disk
 _WRITE_STRETCH = 32 << 20  # bytes per write call, so the writer yields between them
 # The Python code that lays packed weights out; the C layouts are in the library's name.
-_LAYOUT_SOURCES = ("kernels/cpu/matmul.py", "memory/huge_pages.py", "memory/packed_copy.py",
-                   "model/gguf_loader.py", "model/gguf_int4.py", "model/linear.py")
+_LAYOUT_SOURCES = ("kernels/cpu/matmul.py", "memory/huge_pages.py", "model/gguf_loader.py", "model/gguf_int4.py",
+                   "model/linear.py", "model/quantize.py")
+_FORMAT = b"radixrt-packed-copy-v1"  # a change to what a copy file holds changes this
 
 _writers: list[threading.Thread] = []
 
@@ -72,7 +73,7 @@ def enabled() -> bool:
 def copy_path(source: Path, identity: bytes, library: str) -> Path:
     """Where the copy of `source`'s packed weights of this `identity`, packed by `library`, lives."""
     root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256(b"radixrt-packed-copy-v1\0" + identity + b"\0" + Path(library).name.encode())
+    digest = hashlib.sha256(_FORMAT + b"\0" + identity + b"\0" + Path(library).name.encode())
     for name in _LAYOUT_SOURCES:
         digest.update(b"\0" + (root / name).read_bytes())
     return cache_root() / "packed" / f"{source.stem}-{_source_tag(source)}-{digest.hexdigest()[:16]}{SUFFIX}"
