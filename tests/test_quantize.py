@@ -235,7 +235,7 @@ def test_bad_inputs_are_refused_before_anything_loads(bf16_dir, options, message
 
 def test_an_already_quantized_gguf_is_refused_naming_its_types(tmp_path, monkeypatch):
     q4 = write_llama_gguf(tmp_path / "q4.gguf", LlamaShape(num_layers=1))
-    monkeypatch.setattr("radixrt.model.gguf_loader.config_and_tokenizer", lambda *a: pytest.fail("loaded"))
+    monkeypatch.setattr("radixrt.model.gguf_loader.config_of", lambda *a: pytest.fail("loaded"))
     with pytest.raises(ValueError, match=r"quantize='q4_0' quantizes a dense model .* q4\.gguf is already "
                                          r"quantized: Q4_0, Q8_0 \(e\.g\. "):  # fmt: skip
         load_model(q4, quantize="q4_0")

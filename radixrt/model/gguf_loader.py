@@ -70,29 +70,38 @@ def is_native_architecture(file: GGUFFile) -> bool:
 
 
 def config_and_tokenizer(file: GGUFFile) -> tuple[ModelConfig, Any, Callable[[], Any]]:
-    """The model config (from the file's metadata: `gguf_config`), the tokenizer and a reader of
-    the transformers config.
+    """The model config (from the file's metadata: `gguf_config`), the tokenizer (`tokenizer_of`)
+    and a reader of the transformers config."""
+    config, hf_config, read_hf_config = config_of(file)
+    return config, tokenizer_of(file, hf_config, config), read_hf_config
 
-    The tokenizer comes from the file's start record; else it is built from the metadata as
+
+def config_of(file: GGUFFile) -> tuple[ModelConfig, gguf_config.MetadataConfig, Callable[[], Any]]:
+    """The model config, the Hugging Face config it was read from (both from the metadata) and a
+    reader of the transformers config (which imports transformers on its first call)."""
+    hf_config = gguf_config.hf_config(file)
+    return ModelConfig.from_hf(hf_config), hf_config, functools.cache(hf_config.transformers_config)
+
+
+def tokenizer_of(file: GGUFFile, hf_config: gguf_config.MetadataConfig, config: ModelConfig) -> Any:
+    """The file's tokenizer.
+
+    It comes from the file's start record; else it is built from the metadata as
     transformers builds it (`gguf_tokenizer`, without importing transformers) and recorded; else
     (a vocabulary that module does not reproduce) it is read through transformers and recorded.
     Attributes a recorded tokenizer lacks are read from transformers' tokenizer, built on first use.
     """
-    hf_config = gguf_config.hf_config(file)
-    config = ModelConfig.from_hf(hf_config)
-    read_hf_config = functools.cache(hf_config.transformers_config)
     load_transformers = functools.partial(_transformers_tokenizer, file.path)
     record = read_record(file)
     if record is not None:
-        return config, Tokenizer(record.tokenizer, load_transformers), read_hf_config
+        return Tokenizer(record.tokenizer, load_transformers)
     built = tokenizer_record(file)
     if built is not None:
         write_record(file, hf_config, config, built)
-        return config, Tokenizer(built, load_transformers), read_hf_config
+        return Tokenizer(built, load_transformers)
     hf_tokenizer = _transformers_tokenizer(file.path)
     written = write_record(file, hf_config, config, hf_tokenizer)
-    tokenizer = hf_tokenizer if written is None else Tokenizer(written.tokenizer, lambda: hf_tokenizer)
-    return config, tokenizer, read_hf_config
+    return hf_tokenizer if written is None else Tokenizer(written.tokenizer, lambda: hf_tokenizer)
 
 
 def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: torch.device,

@@ -11,6 +11,7 @@ first load (`start_record`), so later loads need not import it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import importlib.util
@@ -236,7 +237,22 @@ def _checked_gguf(path: Path) -> GGUFFile:
 def _load_gguf(file: GGUFFile, name: str, device: torch.device, dtype: torch.dtype, native: bool,
                kv_pool_bytes: Callable[[KVShape], int] | None, quantize: str | None = None) -> LoadedModel:
     started = time.perf_counter()
-    config, tokenizer, read_hf_config = gguf_loader.config_and_tokenizer(file)
+    config, hf_config, read_hf_config = gguf_loader.config_of(file)
+    # The tokenizer is read (a first start: built) while the weights load, on the core the
+    # loader's Python leaves idle between the kernels' packing calls.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixrt-tokenizer") as pool:
+        tokenizing = pool.submit(gguf_loader.tokenizer_of, file, hf_config, config)
+        model, native = _gguf_weights(file, name, config, device, dtype, native, kv_pool_bytes, quantize)
+        tokenizer = tokenizing.result()
+    logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=file.path,
+                       weights=quantize or ("native" if native else "dense"), read_hf_config=read_hf_config)
+
+
+def _gguf_weights(file: GGUFFile, name: str, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                  native: bool, kv_pool_bytes: Callable[[KVShape], int] | None,
+                  quantize: str | None) -> tuple[LlamaForCausalLM, bool]:
+    """The model over the file's weights, and whether any runs as stored (`native`)."""
     plan = gguf_plan.plan_tensors(file, config, native, gguf_loader.native_runs(dtype),
                                   gguf_loader.lookup_runs(dtype))
     native = any(plan.native) or plan.head is not None  # else every tensor fell back to dense
@@ -251,9 +267,7 @@ def _load_gguf(file: GGUFFile, name: str, device: torch.device, dtype: torch.dty
         no_projections = gguf_plan.TensorPlan([{} for _ in plan.dense], [{} for _ in plan.dense], None)
         model = gguf_loader.build_model(file, no_projections, config, device, dtype)
         quantizer.quantize_gguf(model, file, config, quantize)
-    logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=file.path,
-                       weights=quantize or ("native" if native else "dense"), read_hf_config=read_hf_config)
+    return model, native
 
 
 def _load_folder(folder: Path, name: str, device: torch.device, dtype: torch.dtype,
