@@ -238,8 +238,9 @@ def _load_gguf(file: GGUFFile, name: str, device: torch.device, dtype: torch.dty
                kv_pool_bytes: Callable[[KVShape], int] | None, quantize: str | None = None) -> LoadedModel:
     started = time.perf_counter()
     config, hf_config, read_hf_config = gguf_loader.config_of(file)
-    # The tokenizer is read (a first start: built) while the weights load, on the core the
-    # loader's Python leaves idle between the kernels' packing calls.
+    # The tokenizer is read (on a first start: built) in a thread while the weights load: the
+    # load's single-threaded stretches (planning, small tensors, Python between packing calls)
+    # leave a core idle.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixrt-tokenizer") as pool:
         tokenizing = pool.submit(gguf_loader.tokenizer_of, file, hf_config, config)
         model, native = _gguf_weights(file, name, config, device, dtype, native, kv_pool_bytes, quantize)
