@@ -12,13 +12,15 @@ first load (`start_record`), so later loads need not import it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
+import gc
 import importlib.util
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,13 +243,27 @@ def _load_gguf(file: GGUFFile, name: str, device: torch.device, dtype: torch.dty
     # The tokenizer is read (on a first start: built) in a thread while the weights load: the
     # load's single-threaded stretches (planning, small tensors, Python between packing calls)
     # leave a core idle.
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixrt-tokenizer") as pool:
+    with _no_collection(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixrt-tokenizer") as pool:
         tokenizing = pool.submit(gguf_loader.tokenizer_of, file, hf_config, config)
         model, native = _gguf_weights(file, name, config, device, dtype, native, kv_pool_bytes, quantize)
         tokenizer = tokenizing.result()
     logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, path=file.path,
                        weights=quantize or ("native" if native else "dense"), read_hf_config=read_hf_config)
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector paused (as it was before, after): a load allocates many
+    long-lived objects (a vocabulary's strings, the weights' descriptions) and frees no cycles,
+    so the collections it would trigger walk every object of the process for nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _gguf_weights(file: GGUFFile, name: str, config: ModelConfig, device: torch.device, dtype: torch.dtype,
