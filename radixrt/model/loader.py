@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from radixrt.memory import packed_copy
 from radixrt.memory.kv_cache import KVShape
 from radixrt.model import gguf_loader, gguf_plan
 from radixrt.model import quantize as quantizer
@@ -186,6 +187,7 @@ def load_model(
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     quantizer.check_quantize(quantize, weights, device)  # a GPU refused even on a machine without one
+    packed_copy.enabled()  # a bad RADIXRT_PACKED_COPIES is refused before anything loads
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     quantizer.check_kernels(quantize, resolved_dtype)
