@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import transformers
 
-from radixrt.benchmarks.gguf_models import LlamaShape, write_llama_gguf
+from radixrt.benchmarks.gguf_models import LlamaShape, write_llama_gguf, written
 from radixrt.model import gguf_loader
 from radixrt.model.gguf_file import GGUFFile
 from radixrt.model.gguf_tokenizer import tokenizer_record
@@ -139,11 +139,7 @@ def write_tokenizer_gguf(path: Path, arch: str, model: str, tokens: list[str], t
     if add_space_prefix is not None:
         writer.add_add_space_prefix(add_space_prefix)
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return written(writer, path)
 
 
 def _cases() -> dict[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from radixrt.benchmarks.gguf_models import written
 from radixrt.model import gguf_cache, gguf_config, gguf_loader
 from radixrt.model.loader import (
     BUNDLED_MODEL_NAME,
@@ -30,11 +31,7 @@ def write_gguf(path: Path, architecture: str = "llama", tokenizer: bool = True) 
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list(["a", "b"])
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return written(writer, path)
 
 
 def test_missing_path(tmp_path):

@@ -4,6 +4,7 @@ mapped by later ones, and a model over a mapped copy is the model packed from th
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import subprocess
 import sys
@@ -177,12 +178,10 @@ def test_a_dead_writers_temporary_file_is_removed_and_a_live_ones_kept(files, fr
 
 
 def test_a_stored_buffer_hands_out_its_slots_without_writing_them():
-    sizes = [100, 64, 3]
-    stored = bytes(range(256)) * 1
-    import mmap
-
+    sizes = [100, 64, 3]  # slots at 0, 128 and 192 of 256 bytes
+    stored = bytes(range(256))
     mapping = mmap.mmap(-1, huge_pages.SideBySide.span(sizes))
-    mapping[:] = stored[: len(mapping)]
+    mapping[:] = stored
     placed = huge_pages.SideBySide(sizes, stored=mapping)
     assert placed.written
     first = placed.take(100)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from radixrt.benchmarks.gguf_models import written
 from radixrt.kernels import cpu
 from radixrt.kernels.cpu.format_matmul import FORMATS, format_matmul
 from radixrt.model.gguf_file import GGUFFile
@@ -31,11 +32,7 @@ def small_gguf(path: Path, tokens: list[str]) -> Path:
     writer.add_token_scores([float(i) for i in range(len(tokens))])
     writer.add_tensor("blk.0.attn_norm.weight", np.arange(32, dtype=np.float32))
     writer.add_tensor("token_embd.weight", np.ones((4, 32), dtype=np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return written(writer, path)
 
 
 def test_lazy_metadata_reads_what_ggufs_reader_reads(tmp_path):

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from radixrt.benchmarks.gguf_models import _K_QUANT_SCALES, _random_blocks, llama_cpp_permute
+from radixrt.benchmarks.gguf_models import _K_QUANT_SCALES, _random_blocks, llama_cpp_permute, written
 
 # transformers model_type -> llama.cpp's architecture (Mistral 7B is written as a Llama)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -62,11 +62,7 @@ def write_hf_gguf(path: Path, hf_model: Any, hf_tokenizer: Any, types: dict[str,
         writer.add_tensor(name, data, raw_dtype=qtype)  # a uint8 array is read as bytes of `qtype`
     for name, values in (extra or {}).items():
         writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return written(writer, path)
 
 
 def _write_config(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:

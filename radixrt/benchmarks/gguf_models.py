@@ -229,6 +229,15 @@ def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), projection_ty
     return path
 
 
+def written(writer: gguf.GGUFWriter, path: Path) -> Path:
+    """`path`, once `writer`'s header, metadata and the tensors given to `add_tensor` are in it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _token_list(source: Mapping[str, Any], vocab: int) -> tuple[list[str], list[int]]:
     """The source's tokens and their types, cut or padded to `vocab`: a padding token is unused
     (llama.cpp and transformers load it; no text maps to it)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import mmap
 import os
 import threading
@@ -116,12 +117,9 @@ class SideBySide:
     slots out to be described, not written, and `place` copies nothing."""
 
     def __init__(self, sizes: Sequence[int], stored: mmap.mmap | None = None):
-        self._starts, total = [], 0
-        for size in sizes:
-            self._starts.append(total)
-            total += -(-size // ALIGNMENT) * ALIGNMENT
         self._sizes = list(sizes)
-        self._total = total
+        self._starts = [0, *itertools.accumulate(_aligned(size) for size in self._sizes)]
+        total = self._total = self._starts.pop()
         if stored is not None:
             if len(stored) != total:
                 raise ValueError(f"a stored buffer of {len(stored)} bytes for slots spanning {total}")
@@ -136,7 +134,7 @@ class SideBySide:
     @staticmethod
     def span(sizes: Sequence[int]) -> int:
         """The bytes from the first slot's start to the last one's end (each slot 64-byte aligned)."""
-        return sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes)
+        return sum(_aligned(size) for size in sizes)
 
     def take(self, num_bytes: int) -> torch.Tensor:
         """The next slot, to be written into (`num_bytes` must be its size); fresh memory where
@@ -160,6 +158,11 @@ class SideBySide:
         return self._whole[self._first : self._first + self._total]
 
 
+def _aligned(num_bytes: int) -> int:
+    """`num_bytes` rounded up to whole `ALIGNMENT`s: a slot and the gap before the next one."""
+    return -(-num_bytes // ALIGNMENT) * ALIGNMENT
+
+
 def release_free_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc's malloc_trim): loading packs weights
     through temporaries the allocator otherwise keeps resident. A no-op elsewhere."""
@@ -179,19 +182,7 @@ def side_by_side(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 f"tensors[{i}]: expected a contiguous uint8 CPU tensor, got {tensor.dtype} on {tensor.device}"
                 f"{'' if tensor.is_contiguous() else ' (not contiguous)'}"
             )
-    starts, total = [], 0
-    for tensor in tensors:
-        starts.append(total)
-        total += -(-tensor.numel() // ALIGNMENT) * ALIGNMENT
-    # untouched until copied into, its 2 MB-aligned stretches fault in as huge pages
-    whole = anonymous_bytes(total + HUGE_PAGE, huge=True) if total else None
-    if whole is None:
-        return [tensor.clone() for tensor in tensors]
-    first = -whole.data_ptr() % HUGE_PAGE
-    copies = []
-    for tensor, start in zip(tensors, starts):
-        copy = whole[first + start : first + start + tensor.numel()].view(tensor.shape)
-        copy.copy_(tensor)
-        copies.append(copy)
+    placed = SideBySide([tensor.numel() for tensor in tensors])
+    copies = [placed.place(tensor) for tensor in tensors]
     settle()
     return copies

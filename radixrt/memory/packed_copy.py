@@ -70,13 +70,24 @@ def enabled() -> bool:
     return value == "1"
 
 
-def copy_path(source: Path, identity: bytes, library: str) -> Path:
-    """Where the copy of `source`'s packed weights of this `identity`, packed by `library`, lives."""
+def copy_path(name: str, sources: Sequence[Path], packed: object, library: str | None) -> Path | None:
+    """Where the copy of the weights packed from the files `sources` lives: `packed` says what
+    was packed from them and how (plain data, hashed through its repr), `library` is the
+    kernels' library that packed it. None where copies are off, or without a library or sources.
+    The key holds each source's path, device, inode, size and modification time, so a changed
+    file is packed again."""
+    if library is None or not sources or not enabled():
+        return None
+    files = []
+    for source in sources:
+        stat = source.stat()
+        files.append((str(source.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    digest = hashlib.sha256(b"\0".join([_FORMAT, repr((files, packed)).encode(), Path(library).name.encode()]))
     root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256(_FORMAT + b"\0" + identity + b"\0" + Path(library).name.encode())
-    for name in _LAYOUT_SOURCES:
-        digest.update(b"\0" + (root / name).read_bytes())
-    return cache_root() / "packed" / f"{source.stem}-{_source_tag(source)}-{digest.hexdigest()[:16]}{SUFFIX}"
+    for layout in _LAYOUT_SOURCES:
+        digest.update(b"\0" + (root / layout).read_bytes())
+    tag = hashlib.sha256(files[0][0].encode()).hexdigest()[:8]  # the copies of one source share it (`_prune`)
+    return cache_root() / "packed" / f"{name}-{tag}-{digest.hexdigest()[:16]}{SUFFIX}"
 
 
 def buffer(sizes: Sequence[int], path: Path | None) -> huge_pages.SideBySide:
@@ -146,10 +157,6 @@ def _write(contents: torch.Tensor, path: Path) -> None:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-
-
-def _source_tag(source: Path) -> str:
-    return hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:8]
 
 
 def _prune(written: Path) -> None:

@@ -1,4 +1,4 @@
-"""A GGUF model read straight from its file: no converted copy of the weights, on disk or in memory.
+"""A GGUF model read straight from its file: no converted or dense copy of the weights, on disk or in memory.
 
 Every family in `gguf_families.ARCHITECTURES` is read so: llama (Llama, SmolLM, Mistral as
 llama.cpp writes it), qwen2 (Qwen2, Qwen2.5), qwen3, phi3, gemma2 and gemma3 (the text model).
@@ -126,8 +126,8 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
         if not config.tie_word_embeddings and plan.head is None:  # else the head runs as stored
             dequantize_into(model.lm_head, file.tensors["output.weight"])
         model.prepack()
-        copy = _slots(file, plan, dtype)
-        placed = None if copy is None else packed_copy.buffer(copy.sizes, copy.path)
+        slots = _slots(file, plan, dtype)
+        placed = None if slots is None else packed_copy.buffer(slots.sizes, slots.path)
         for index, layer in enumerate(model.decoder_layers()):
             for small in layer_tensors(config, index):  # norms, biases, q/k norms
                 _read_small(getattr(layer, small.attribute), [file.tensors[name] for name in small.names], config,
@@ -153,8 +153,8 @@ def build_model(file: GGUFFile, plan: TensorPlan, config: ModelConfig, device: t
         model.finish_int4(head, embedding, placed)
     file.release([t for t in (plan.head, plan.embedding) if t is not None])
     huge_pages.release_free_heap()
-    if placed is not None and copy is not None:
-        packed_copy.keep(placed, copy.path)
+    if placed is not None and slots is not None:
+        packed_copy.keep(placed, slots.path)
     huge_pages.settle()
     return model
 
@@ -170,17 +170,17 @@ def lookup_runs(dtype: torch.dtype) -> Callable[[GGUFTensor], bool]:
     return lambda tensor: _packs([tensor], dtype)
 
 
-class _Copy(NamedTuple):
+class _Buffer(NamedTuple):
     sizes: list[int]  # the buffer's slots
     path: Path | None  # its packed copy (`packed_copy`); None where copies are off
 
 
-def _slots(file: GGUFFile, plan: TensorPlan, dtype: torch.dtype) -> _Copy | None:
+def _slots(file: GGUFFile, plan: TensorPlan, dtype: torch.dtype) -> _Buffer | None:
     """The slots of the buffer every layer's packed weights go into as they are built, in the
     order a step reads them, then a packed embedding's and a packed head's (which `finish_int4`
-    may place last), and where a copy of
-    that buffer is kept (`packed_copy`), where every layer runs all four projections in
-    radixrt's kernels; else None (`finish_int4` then places what it can after the fact)."""
+    may place last), and where a copy of that buffer is kept (`packed_copy`), where every
+    layer runs all four projections in radixrt's kernels; else None (`finish_int4` then places
+    what it can after the fact)."""
     if not plan.native or not all(len(layer) == len(PROJECTIONS) for layer in plan.native):
         return None
     projections = [parts for layer in plan.native for parts in layer.values()]
@@ -193,12 +193,9 @@ def _slots(file: GGUFFile, plan: TensorPlan, dtype: torch.dtype) -> _Copy | None
         slots.append([plan.head])
     sizes = [_packed_bytes(parts) for parts in slots]
     library = cpu.load_library()
-    if library is None or not packed_copy.enabled():
-        return _Copy(sizes, None)
-    stat = file.path.stat()
-    identity = repr((str(file.path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, str(dtype),
-                     [[(part.name, part.type_name) for part in parts] for parts in slots], sizes))
-    return _Copy(sizes, packed_copy.copy_path(file.path, identity.encode(), library._name))
+    packed = (str(dtype), [[(part.name, part.type_name) for part in parts] for parts in slots], sizes)
+    return _Buffer(sizes, packed_copy.copy_path(file.path.stem, [file.path], packed,
+                                                None if library is None else library._name))
 
 
 def _packs(parts: list[GGUFTensor], dtype: torch.dtype) -> bool:

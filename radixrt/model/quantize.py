@@ -157,7 +157,7 @@ def quantize_model(model: LlamaForCausalLM, quantize: str, dense: DenseProjectio
     runs_head = matmul.supports(head_shape)
     sizes = [packed_bytes(bits, shape) for layer in shapes for shape in layer.values() if matmul.supports(shape)]
     sizes += [packed_bytes(8, head_shape)] if runs_head else []
-    copy = _copy_path(sources, quantize, model.dtype, sizes, matmul)
+    copy = _copy_path(sources, quantize, model.dtype, sizes)
     placed = packed_copy.buffer(sizes, copy)
     dense_left: list[str] = []
     with torch.no_grad():
@@ -200,22 +200,15 @@ def _checked(weight: torch.Tensor, shape: tuple[int, int], name: str) -> torch.T
     return weight
 
 
-def _copy_path(sources: Sequence[Path], quantize: str, dtype: torch.dtype, sizes: list[int],
-               matmul: cpu.QuantizedMatmul) -> Path | None:
-    """Where the packed copy of these sources' weights quantized so lives (None: no sources,
-    or copies off). The key holds each source file's path, device, inode, size and
-    modification time: a changed file is quantized again."""
-    library = cpu.load_library()
-    if not sources or library is None or not packed_copy.enabled():
+def _copy_path(sources: Sequence[Path], quantize: str, dtype: torch.dtype, sizes: list[int]) -> Path | None:
+    """Where the packed copy of these sources' weights quantized so lives (`packed_copy`), named
+    after the GGUF file or the folder of the weight files."""
+    if not sources:
         return None
-    files = []
-    for source in sources:
-        stat = source.stat()
-        files.append((str(source.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
-    identity = repr((files, quantize, str(dtype), sizes, matmul.TILE_ROWS))
-    first = sources[0]
-    return packed_copy.copy_path(first.parent if first.suffix != ".gguf" else first, identity.encode(),
-                                 f"{library._name}-{quantize}")
+    library = cpu.load_library()
+    name = sources[0].stem if sources[0].suffix == ".gguf" else sources[0].parent.name
+    return packed_copy.copy_path(name, sources, (quantize, str(dtype), sizes),
+                                 None if library is None else library._name)
 
 
 def quantize_checkpoint(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor], config: ModelConfig,
