@@ -108,28 +108,24 @@ def buffer(sizes: Sequence[int], path: Path | None) -> huge_pages.SideBySide:
     return huge_pages.SideBySide(sizes)
 
 
-def keep(placed: huge_pages.SideBySide, path: Path | None) -> threading.Thread | None:
+def keep(placed: huge_pages.SideBySide, path: Path | None) -> None:
     """Write `placed`'s bytes to `path` in the background (see the module docstring), where it
-    was packed here rather than mapped from a copy, copies are on, and it pays; returns the
-    writing thread (None: nothing to write)."""
+    was packed here rather than mapped from a copy, copies are on, and it pays."""
     if path is None or placed.written or not enabled():
-        return None
+        return
     contents = placed.contents()
     if contents.numel() < MIN_COPY_BYTES:
-        return None
+        return
     # not a daemon: a process that ends soon after its first start still leaves the copy behind
     thread = threading.Thread(target=_write, args=(contents, path), name="radixrt-packed-copy")
     _writers.append(thread)
     thread.start()
-    return thread
 
 
-def wait_for_writers(timeout: float | None = None) -> None:
-    """Wait for the copies being written (a caller about to read them, tests)."""
-    for thread in list(_writers):
-        thread.join(timeout)
-        if not thread.is_alive():
-            _writers.remove(thread)
+def wait_for_writers() -> None:
+    """Wait for the copies being written (a process about to end with `os._exit`, tests)."""
+    while _writers:
+        _writers.pop().join()
 
 
 def _write(contents: torch.Tensor, path: Path) -> None:
