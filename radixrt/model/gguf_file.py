@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import mmap
 import struct
 from collections.abc import Iterator, Mapping
@@ -68,7 +69,7 @@ class GGUFTensor:
         return int(self.data.size)
 
 
-_U32, _U64, _STRING_LENGTH = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<Q")
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")  # a string's length is a u64 too
 _SIZES = {type_id: struct.calcsize("<" + fmt) for type_id, fmt in _SCALARS.items()}
 
 
@@ -162,9 +163,7 @@ class GGUFFile:
             if not dims or any(d <= 0 for d in dims) or dims[0] % block_size:
                 raise ValueError(f"{self.path}: tensor {name} ({type_name}) has shape {dims[::-1]}: its rows "
                                  f"must be whole blocks of {block_size}")
-            num_rows = 1
-            for d in dims[1:]:
-                num_rows *= d
+            num_rows = math.prod(dims[1:])
             row_bytes = dims[0] // block_size * block_bytes
             begin, end = start + offset, start + offset + num_rows * row_bytes
             if offset % alignment or end > len(self._map):
@@ -199,7 +198,7 @@ class GGUFFile:
             raise ValueError(f"{self.path}: a header string is not UTF-8: corrupt") from error
 
     def _string_bytes(self, position: int) -> tuple[bytes, int]:
-        length = self._unpack(_STRING_LENGTH, position)
+        length = self._unpack(_U64, position)
         end = position + 8 + length
         if end > len(self._map):
             raise self._ends_early()
@@ -211,7 +210,7 @@ class GGUFFile:
         if value_type in _SIZES:
             position += _SIZES[value_type]
         elif value_type == _STRING:
-            position += 8 + self._unpack(_STRING_LENGTH, position)
+            position += 8 + self._unpack(_U64, position)
         elif value_type == _ARRAY:
             item_type, count = self._unpack(_U32, position), self._unpack(_U64, position + 4)
             position += 12
@@ -220,7 +219,7 @@ class GGUFFile:
             elif item_type == _STRING:
                 if count > size:
                     raise self._ends_early()
-                unpack = _STRING_LENGTH.unpack_from
+                unpack = _U64.unpack_from
                 try:
                     for _ in range(count):  # the vocabulary: only its lengths are read
                         position += 8 + unpack(self._map, position)[0]
@@ -251,7 +250,7 @@ class GGUFFile:
             return values, position + count * item.itemsize
         if item_type == _STRING:
             items, map_ = [], self._map
-            unpack = _STRING_LENGTH.unpack_from
+            unpack = _U64.unpack_from
             try:
                 for _ in range(count):
                     end = position + 8 + unpack(map_, position)[0]
