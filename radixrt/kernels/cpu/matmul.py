@@ -94,16 +94,19 @@ class QuantizedMatmul:
         if data.numel() != sum(sizes) or not data.is_contiguous() or data.dtype != torch.uint8:
             raise ValueError(f"out must be {sum(sizes)} contiguous bytes")
         at = 0
-        for (format, rows), size in zip(parts, () if written else sizes):
-            rows = rows.to(torch.int64).contiguous()
-            status = self._pack_format(format, rows.data_ptr(), rows.numel(), num_cols, data[at:].data_ptr(),
-                                       call_threads())
-            if status:
-                raise ValueError(f"pack_format_rows refused format {format} rows ({rows.numel()}, {num_cols}) "
-                                 f"(status {status})")
+        for (format, rows), size in zip(parts, sizes):
+            if not written:
+                self._pack_rows(format, rows, num_cols, data[at:])
             at += size
         layout = tuple(PackedPart(format, rows.numel()) for format, rows in parts)
         return PackedWeight(data, 0, sum(part.num_rows for part in layout), layout, num_cols)
+
+    def _pack_rows(self, format: int, rows: torch.Tensor, num_cols: int, out: torch.Tensor) -> None:
+        rows = rows.to(torch.int64).contiguous()
+        status = self._pack_format(format, rows.data_ptr(), rows.numel(), num_cols, out.data_ptr(), call_threads())
+        if status:
+            raise ValueError(f"pack_format_rows refused format {format} rows ({rows.numel()}, {num_cols}) "
+                             f"(status {status})")
 
     def matrix(self, weight: PackedWeight) -> PackedMatrix:
         """The kernels' description of `weight` (`stack_model.PackedMatrix`; the caller keeps the
