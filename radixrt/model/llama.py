@@ -494,9 +494,9 @@ class LlamaForCausalLM(nn.Module):
     def _distinct_ropes(self) -> tuple[RotaryEmbedding, ...]:
         return tuple(dict.fromkeys(self._layer_ropes))
 
-    def deterministic_problem(self, backend: AttentionBackend[Any], whole_steps: bool = True) -> str | None:
+    def deterministic_problem(self, backend: AttentionBackend[Any]) -> str | None:
         """Why steps of this model through `backend` cannot be batch-invariant, or None if they can
-        (`whole_steps` False: without the whole-step kernel, every step layer by layer).
+        (through either executor: the same conditions hold with or without the whole-step kernel).
 
         Only radixrt's own kernels are invariant by construction (every row the same
         instructions whatever the step holds), and they run on the CPU: on native packed
@@ -521,8 +521,6 @@ class LlamaForCausalLM(nn.Module):
             if self._invariant_lm_head is None:
                 return ("deterministic steps need the GGUF file's LM head stored in a packed format (Q4_0, Q4_1, "
                         "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)")
-            if whole_steps and self.stack_layers() is not None:  # every deterministic step in the whole-step kernel
-                return None
         elif cpu.rowwise_matmul() is None:
             return "deterministic steps on dense weights need radixrt's rowwise matmul: a C compiler"
         return None

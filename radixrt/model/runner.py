@@ -83,7 +83,7 @@ class ModelRunner:
             raise ValueError(f"kv_cache is on {kv_cache.device}, the model on {model.device}")
         if backend.kv_cache is not kv_cache:
             raise ValueError("backend must be built over the same kv_cache")
-        problem = model.deterministic_problem(backend, whole_steps) if deterministic else None
+        problem = model.deterministic_problem(backend) if deterministic else None
         if deterministic is True and problem is not None:
             raise ValueError(f"deterministic=True: {problem}")
         self.deterministic = bool(deterministic) and problem is None
