@@ -46,7 +46,7 @@ from radixrt.memory import huge_pages
 from radixrt.model import gemma, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_int4 import Int4Weight, Int8Weight, NativeWeights
-from radixrt.model.int4_layer import Int4LayerSteps, layer_extras, stack_extras
+from radixrt.model.int4_layer import Int4LayerSteps, stack_extras
 from radixrt.model.rope import RotaryEmbedding
 
 
@@ -214,7 +214,7 @@ class LlamaDecoderLayer(nn.Module):
         if len(weights) == len(shapes):
             steps = Int4LayerSteps.create(
                 weights, self.input_norm, self.post_attention_norm, config.rms_norm_eps, config.num_heads,
-                config.num_kv_heads, config.head_dim, None if plain_llama else layer_extras(self),
+                config.num_kv_heads, config.head_dim, None if plain_llama else self.layer_extras(),
             )  # fmt: skip
         if steps is not None and plain_llama:
             self.use_int4_steps(steps)
@@ -231,6 +231,13 @@ class LlamaDecoderLayer(nn.Module):
             setattr(self, name, made)
         self.kernel_projections = len(weights) == len(shapes) and all(
             isinstance(w, cpu.PackedWeight) or linear.runs_own_kernel(w.shape, dtype) for w in weights.values())
+
+    def layer_extras(self) -> cpu.LayerExtras | None:
+        """The layer's biases and norms beyond a plain Llama layer, as the whole-step kernel takes
+        them, or None for a plain one."""
+        extras = cpu.LayerExtras(self.qkv_bias, self.o_bias, self.q_norm, self.k_norm, self.pre_feedforward_norm,
+                                 self.post_feedforward_norm)  # fmt: skip
+        return None if all(tensor is None for tensor in extras.tensors) else extras
 
     def use_packed_steps(self, steps: Int4LayerSteps) -> None:
         """`steps` (the layer's own, its packed weights moved) in place of the layer's: its C steps
@@ -592,7 +599,7 @@ class LlamaForCausalLM(nn.Module):
         where the kernel does not take the model (a layer without packed steps, more windows
         than its attention plans)."""
         layers, ropes = self.decoder_layers(), self._distinct_ropes
-        return stack_extras(self.config, layers, [layer.stack_steps for layer in layers],
+        return stack_extras(self.config, [layer.attention for layer in layers], [layer.stack_steps for layer in layers],
                             [ropes.index(rope) for rope in self._layer_ropes])  # fmt: skip
 
     @property
