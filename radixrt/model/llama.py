@@ -221,7 +221,13 @@ class LlamaDecoderLayer(nn.Module):
             return
         if steps is not None:  # the whole-step kernel runs it; alone, its torch ops over the same packed weights
             self.stack_steps = steps
-            weights = dict(zip(("qkv", "o", "gate_up", "down"), steps.packed_weights()))
+            weights = dict(zip(_PROJECTION_PARAMETERS, steps.packed_weights()))
+        self._use_projections(weights)
+
+    def _use_projections(self, weights: Mapping[str, Int4Weight | cpu.PackedWeight]) -> None:
+        """Each of `weights`' projections multiplied one at a time in its quantized format, its
+        bias kept; `packed_projections` holds the packed ones."""
+        dtype = self.input_norm.dtype
         biases = {"qkv": self.qkv_bias, "o": self.o_bias}
         for name, weight in weights.items():
             bias = biases.get(name)
@@ -229,7 +235,7 @@ class LlamaDecoderLayer(nn.Module):
                 self.packed_projections[name] = weight
             made = linear.int4(weight, dtype, bias) if isinstance(weight, Int4Weight) else linear.packed(weight, bias)
             setattr(self, name, made)
-        self.kernel_projections = len(weights) == len(shapes) and all(
+        self.kernel_projections = len(weights) == len(_PROJECTION_PARAMETERS) and all(
             isinstance(w, cpu.PackedWeight) or linear.runs_own_kernel(w.shape, dtype) for w in weights.values())
 
     def layer_extras(self) -> cpu.LayerExtras | None:
@@ -241,14 +247,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def use_packed_steps(self, steps: Int4LayerSteps) -> None:
         """`steps` (the layer's own, its packed weights moved) in place of the layer's: its C steps
-        where it has them, else its projections over those weights, biases kept."""
+        where it has them, else its projections over those weights, biases kept (nothing keeps
+        the weights as they were alive)."""
         if self.int4_steps is not None:
             self.use_int4_steps(steps)
             return
         self.stack_steps = steps
-        self.qkv, self.o, self.gate_up, self.down = (
-            linear.packed(packed, bias) for packed, bias in zip(steps.packed_weights(), (self.qkv_bias, self.o_bias,
-                                                                                          None, None)))  # fmt: skip
+        self._use_projections(dict(zip(_PROJECTION_PARAMETERS, steps.packed_weights())))
 
     def use_int4_steps(self, steps: Int4LayerSteps) -> None:
         """Run small steps in `steps`' two C calls, and larger ones through the same packed
