@@ -118,6 +118,8 @@ class Int4DecodeStack:
         self._layers = tuple(layers)
         self._intermediate = intermediate
         self._extras = extras
+        # each attention plan's sliding window (None: full attention), in the order a step's segments are given
+        self.windows: tuple[int | None, ...] = tuple(window or None for window in extras.windows)
         self._run_kernel = cpu.decode_run()
         # the model handle for the last (embedding, final norm, head) asked for, keeping them alive
         self._handle: tuple[tuple[int, ...], cpu.StackWeights] | None = None
@@ -137,12 +139,6 @@ class Int4DecodeStack:
         if len({(layer.heads, layer.eps) for layer in steps}) != 1:
             return None
         return Int4DecodeStack(kernel, steps, intermediate, cpu.ModelExtras() if extras is None else extras)
-
-    @property
-    def windows(self) -> tuple[int | None, ...]:
-        """Each attention plan's sliding window (None: full attention), in the order a step's
-        segments are given."""
-        return tuple(window or None for window in self._extras.windows)
 
     def weights(self, embedding: torch.Tensor | cpu.PackedWeight, final_norm: torch.Tensor | None = None,
                 head: cpu.PackedWeight | None = None) -> cpu.StackWeights:
