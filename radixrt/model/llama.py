@@ -409,7 +409,6 @@ class LlamaForCausalLM(nn.Module):
         self._native = True
         if head is not None:
             self._head_formats = stored_formats(head)
-        if head is not None:
             shape = packed_shape(head) if isinstance(head, cpu.PackedWeight) else head.shape
             if shape != tuple(self.lm_head.shape):
                 raise ValueError(f"quantized LM head shape {shape}, model expects {tuple(self.lm_head.shape)}")
