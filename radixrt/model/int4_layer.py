@@ -94,7 +94,6 @@ class Int4LayerSteps:
 
     def attention_inputs(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """[T, q + k + v heads, head_dim]: q and k rotated, as the torch layer computes them (a plain layer)."""
-        assert self.extras is None, "the per-layer calls run plain Llama layers"
         num_heads, num_kv_heads, head_dim = self.heads
         qkv = self.kernels.attention_inputs(
             hidden, self.input_norm, self.eps, self.qkv, cos, signed_sin, num_heads + num_kv_heads, head_dim

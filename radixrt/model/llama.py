@@ -257,7 +257,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def use_int4_steps(self, steps: Int4LayerSteps) -> None:
         """Run small steps in `steps`' two C calls, and larger ones through the same packed
-        weights one projection at a time (no dense copy of them exists)."""
+        weights one projection at a time (no dense copy of them exists). The two calls run plain
+        Llama layers only: checked here, once, not at every step."""
+        assert steps.extras is None, "the per-layer calls run plain Llama layers"
         self.int4_steps = self.stack_steps = steps
         self.kernel_projections = True
         self.qkv, self.o, self.gate_up, self.down = (linear.packed(packed) for packed in steps.packed_weights())
