@@ -202,6 +202,7 @@ def test_native_weights_of_a_family_lie_side_by_side_and_run_on_the_kernel(name,
         addresses = [weight.data.data_ptr() for weight in steps.packed_weights()]
         assert [handle.layer_addresses(i)[j] for j in (1, 2, 4, 5)] == addresses
         assert layer.qkv.weight.data.data_ptr() == steps.qkv.data.data_ptr() and layer.qkv.bias is layer.qkv_bias
+        assert [weight.data.data_ptr() for weight in layer.packed_projections.values()] == addresses, "no stale copy"
     batch, num_slots = make_batch([(70, 1), (5, 1), (30, 1)], shared=0, seed=6)
     (stacked, _), (layered, _) = both_paths(model, batch, num_slots, seed=6)
     if name in EXACT:

@@ -19,7 +19,7 @@ Llama and Mistral, Qwen2's q/k/v biases, Qwen3's per-head q/k norms (and
 biases), Phi-3's partial rotary, Gemma 2's and 3's norms around each sublayer,
 GELU-tanh, embedding scale, softmax scale, score and logit soft-caps and
 Gemma 3's second rope table, and sliding windows (at most two attention plans:
-full and one window). `stack_extras` reads those features off the layers.
+full and one window). `stack_extras` fills in each layer's rope table and attention plan.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import ctypes
 import dataclasses
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
 
 import torch
 
@@ -71,7 +70,7 @@ class Int4LayerSteps:
         kernels, matmul = cpu.int4_layer(), cpu.quantized_matmul()
         if kernels is None or matmul is None or input_norm.dtype != torch.bfloat16:
             return None
-        added = [] if extras is None else [tensor for tensor in extras[:6] if tensor is not None]
+        added = [] if extras is None else [tensor for tensor in extras.tensors if tensor is not None]
         if any(tensor.dtype != torch.bfloat16 or not tensor.is_contiguous() for tensor in added):
             return None
         if not all(isinstance(w, cpu.PackedWeight) or matmul.supports(w.shape) for w in weights.values()):
@@ -95,7 +94,6 @@ class Int4LayerSteps:
 
     def attention_inputs(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """[T, q + k + v heads, head_dim]: q and k rotated, as the torch layer computes them (a plain layer)."""
-        assert self.extras is None, "the per-layer calls run plain Llama layers"
         num_heads, num_kv_heads, head_dim = self.heads
         qkv = self.kernels.attention_inputs(
             hidden, self.input_norm, self.eps, self.qkv, cos, signed_sin, num_heads + num_kv_heads, head_dim
@@ -119,6 +117,8 @@ class Int4DecodeStack:
         self._layers = tuple(layers)
         self._intermediate = intermediate
         self._extras = extras
+        # each attention plan's sliding window (None: full attention), in the order a step's segments are given
+        self.windows: tuple[int | None, ...] = tuple(window or None for window in extras.windows)
         self._run_kernel = cpu.decode_run()
         # the model handle for the last (embedding, final norm, head) asked for, keeping them alive
         self._handle: tuple[tuple[int, ...], cpu.StackWeights] | None = None
@@ -138,12 +138,6 @@ class Int4DecodeStack:
         if len({(layer.heads, layer.eps) for layer in steps}) != 1:
             return None
         return Int4DecodeStack(kernel, steps, intermediate, cpu.ModelExtras() if extras is None else extras)
-
-    @property
-    def windows(self) -> tuple[int | None, ...]:
-        """Each attention plan's sliding window (None: full attention), in the order a step's
-        segments are given."""
-        return tuple(window or None for window in self._extras.windows)
 
     def weights(self, embedding: torch.Tensor | cpu.PackedWeight, final_norm: torch.Tensor | None = None,
                 head: cpu.PackedWeight | None = None) -> cpu.StackWeights:
@@ -222,55 +216,22 @@ class Int4DecodeStack:
         return self._pools[1], self._pools[2]
 
 
-class StackLayerSource(Protocol):
-    """What `stack_extras` reads off a decoder layer (`LlamaDecoderLayer`)."""
-
-    @property
-    def qkv_bias(self) -> torch.Tensor | None: ...
-
-    @property
-    def o_bias(self) -> torch.Tensor | None: ...
-
-    @property
-    def q_norm(self) -> torch.Tensor | None: ...
-
-    @property
-    def k_norm(self) -> torch.Tensor | None: ...
-
-    @property
-    def pre_feedforward_norm(self) -> torch.Tensor | None: ...
-
-    @property
-    def post_feedforward_norm(self) -> torch.Tensor | None: ...
-
-    @property
-    def attention(self) -> LayerAttention: ...
-
-
-def layer_extras(layer: StackLayerSource) -> cpu.LayerExtras | None:
-    """The layer's biases and norms beyond a plain Llama layer, or None for a plain one."""
-    extras = cpu.LayerExtras(layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm, layer.pre_feedforward_norm,
-                             layer.post_feedforward_norm)  # fmt: skip
-    return None if all(tensor is None for tensor in extras[:6]) else extras
-
-
 def stack_extras(
-    config: ModelConfig, layers: Sequence[StackLayerSource], steps: Sequence[Int4LayerSteps | None],
+    config: ModelConfig, attentions: Sequence[LayerAttention], steps: Sequence[Int4LayerSteps | None],
     rope_indices: Sequence[int],
 ) -> tuple[list[Int4LayerSteps], cpu.ModelExtras] | None:
     """Each layer's steps with its rope table (`rope_indices`), attention plan, softmax scale and
     score cap filled in, and the model's features, for `Int4DecodeStack.create`; None where the
     kernel cannot run the model (a layer without its packed steps, more distinct windows than
     its attention plans)."""
-    windows = tuple(dict.fromkeys(layer.attention.sliding_window or 0 for layer in layers))
+    windows = tuple(dict.fromkeys(attention.sliding_window or 0 for attention in attentions))
     if len(windows) > cpu.STACK_MAX_PLANS or max(rope_indices, default=0) >= cpu.STACK_MAX_ROPES:
         return None
     filled: list[Int4LayerSteps] = []
-    for layer, layer_steps, rope in zip(layers, steps, rope_indices):
+    for attention, layer_steps, rope in zip(attentions, steps, rope_indices):
         if layer_steps is None:
             return None
         base = layer_steps.extras or cpu.LayerExtras()
-        attention = layer.attention
         extras = base._replace(rope=rope, plan=windows.index(attention.sliding_window or 0),
                                scale=attention.scale, softcap=attention.logit_softcap or 0.0)  # fmt: skip
         filled.append(dataclasses.replace(layer_steps, extras=extras))

@@ -46,7 +46,7 @@ from radixrt.memory import huge_pages
 from radixrt.model import gemma, linear
 from radixrt.model.config import ModelConfig
 from radixrt.model.gguf_int4 import Int4Weight, Int8Weight, NativeWeights
-from radixrt.model.int4_layer import Int4LayerSteps, layer_extras, stack_extras
+from radixrt.model.int4_layer import Int4LayerSteps, stack_extras
 from radixrt.model.rope import RotaryEmbedding
 
 
@@ -214,14 +214,20 @@ class LlamaDecoderLayer(nn.Module):
         if len(weights) == len(shapes):
             steps = Int4LayerSteps.create(
                 weights, self.input_norm, self.post_attention_norm, config.rms_norm_eps, config.num_heads,
-                config.num_kv_heads, config.head_dim, None if plain_llama else layer_extras(self),
+                config.num_kv_heads, config.head_dim, None if plain_llama else self.layer_extras(),
             )  # fmt: skip
         if steps is not None and plain_llama:
             self.use_int4_steps(steps)
             return
         if steps is not None:  # the whole-step kernel runs it; alone, its torch ops over the same packed weights
             self.stack_steps = steps
-            weights = dict(zip(("qkv", "o", "gate_up", "down"), steps.packed_weights()))
+            weights = dict(zip(_PROJECTION_PARAMETERS, steps.packed_weights()))
+        self._use_projections(weights)
+
+    def _use_projections(self, weights: Mapping[str, Int4Weight | cpu.PackedWeight]) -> None:
+        """Each of `weights`' projections multiplied one at a time in its quantized format, its
+        bias kept; `packed_projections` holds the packed ones."""
+        dtype = self.input_norm.dtype
         biases = {"qkv": self.qkv_bias, "o": self.o_bias}
         for name, weight in weights.items():
             bias = biases.get(name)
@@ -229,23 +235,31 @@ class LlamaDecoderLayer(nn.Module):
                 self.packed_projections[name] = weight
             made = linear.int4(weight, dtype, bias) if isinstance(weight, Int4Weight) else linear.packed(weight, bias)
             setattr(self, name, made)
-        self.kernel_projections = len(weights) == len(shapes) and all(
+        self.kernel_projections = len(weights) == len(_PROJECTION_PARAMETERS) and all(
             isinstance(w, cpu.PackedWeight) or linear.runs_own_kernel(w.shape, dtype) for w in weights.values())
+
+    def layer_extras(self) -> cpu.LayerExtras | None:
+        """The layer's biases and norms beyond a plain Llama layer, as the whole-step kernel takes
+        them, or None for a plain one."""
+        extras = cpu.LayerExtras(self.qkv_bias, self.o_bias, self.q_norm, self.k_norm, self.pre_feedforward_norm,
+                                 self.post_feedforward_norm)  # fmt: skip
+        return None if all(tensor is None for tensor in extras.tensors) else extras
 
     def use_packed_steps(self, steps: Int4LayerSteps) -> None:
         """`steps` (the layer's own, its packed weights moved) in place of the layer's: its C steps
-        where it has them, else its projections over those weights, biases kept."""
+        where it has them, else its projections over those weights, biases kept (nothing keeps
+        the weights as they were alive)."""
         if self.int4_steps is not None:
             self.use_int4_steps(steps)
             return
         self.stack_steps = steps
-        self.qkv, self.o, self.gate_up, self.down = (
-            linear.packed(packed, bias) for packed, bias in zip(steps.packed_weights(), (self.qkv_bias, self.o_bias,
-                                                                                          None, None)))  # fmt: skip
+        self._use_projections(dict(zip(_PROJECTION_PARAMETERS, steps.packed_weights())))
 
     def use_int4_steps(self, steps: Int4LayerSteps) -> None:
         """Run small steps in `steps`' two C calls, and larger ones through the same packed
-        weights one projection at a time (no dense copy of them exists)."""
+        weights one projection at a time (no dense copy of them exists). The two calls run plain
+        Llama layers only: checked here, once, not at every step."""
+        assert steps.extras is None, "the per-layer calls run plain Llama layers"
         self.int4_steps = self.stack_steps = steps
         self.kernel_projections = True
         self.qkv, self.o, self.gate_up, self.down = (linear.packed(packed) for packed in steps.packed_weights())
@@ -397,7 +411,6 @@ class LlamaForCausalLM(nn.Module):
         self._native = True
         if head is not None:
             self._head_formats = stored_formats(head)
-        if head is not None:
             shape = packed_shape(head) if isinstance(head, cpu.PackedWeight) else head.shape
             if shape != tuple(self.lm_head.shape):
                 raise ValueError(f"quantized LM head shape {shape}, model expects {tuple(self.lm_head.shape)}")
@@ -494,9 +507,9 @@ class LlamaForCausalLM(nn.Module):
     def _distinct_ropes(self) -> tuple[RotaryEmbedding, ...]:
         return tuple(dict.fromkeys(self._layer_ropes))
 
-    def deterministic_problem(self, backend: AttentionBackend[Any], whole_steps: bool = True) -> str | None:
+    def deterministic_problem(self, backend: AttentionBackend[Any]) -> str | None:
         """Why steps of this model through `backend` cannot be batch-invariant, or None if they can
-        (`whole_steps` False: without the whole-step kernel, every step layer by layer).
+        (through either executor: the same conditions hold with or without the whole-step kernel).
 
         Only radixrt's own kernels are invariant by construction (every row the same
         instructions whatever the step holds), and they run on the CPU: on native packed
@@ -521,8 +534,6 @@ class LlamaForCausalLM(nn.Module):
             if self._invariant_lm_head is None:
                 return ("deterministic steps need the GGUF file's LM head stored in a packed format (Q4_0, Q4_1, "
                         "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)")
-            if whole_steps and self.stack_layers() is not None:  # every deterministic step in the whole-step kernel
-                return None
         elif cpu.rowwise_matmul() is None:
             return "deterministic steps on dense weights need radixrt's rowwise matmul: a C compiler"
         return None
@@ -594,7 +605,7 @@ class LlamaForCausalLM(nn.Module):
         where the kernel does not take the model (a layer without packed steps, more windows
         than its attention plans)."""
         layers, ropes = self.decoder_layers(), self._distinct_ropes
-        return stack_extras(self.config, layers, [layer.stack_steps for layer in layers],
+        return stack_extras(self.config, [layer.attention for layer in layers], [layer.stack_steps for layer in layers],
                             [ropes.index(rope) for rope in self._layer_ropes])  # fmt: skip
 
     @property

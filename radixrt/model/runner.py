@@ -83,7 +83,7 @@ class ModelRunner:
             raise ValueError(f"kv_cache is on {kv_cache.device}, the model on {model.device}")
         if backend.kv_cache is not kv_cache:
             raise ValueError("backend must be built over the same kv_cache")
-        problem = model.deterministic_problem(backend, whole_steps) if deterministic else None
+        problem = model.deterministic_problem(backend) if deterministic else None
         if deterministic is True and problem is not None:
             raise ValueError(f"deterministic=True: {problem}")
         self.deterministic = bool(deterministic) and problem is None
@@ -92,7 +92,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
-        self.layer_steps = LayerByLayer(model, backend, self.deterministic)
+        self.layer_by_layer = LayerByLayer(model, backend, self.deterministic)
         self.whole_step = WholeStep.create(model, backend, self.deterministic) if whole_steps else None
         self.threads = threads if model.device.type == "cpu" else None
         # The sampler's compiled passes over this runner's logits rows (CPU rows only).
@@ -148,11 +148,10 @@ class ModelRunner:
             if wanted != previous:  # the thread count is the process's: leave it as found
                 torch.set_num_threads(previous)
 
-
     def executor(self, batch: ForwardBatch) -> WholeStep | LayerByLayer:
         """The executor that runs `batch`: the whole-step kernel where it takes the step, else the layers."""
         whole = self.whole_step
-        return whole if whole is not None and whole.takes(batch) else self.layer_steps
+        return whole if whole is not None and whole.takes(batch) else self.layer_by_layer
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

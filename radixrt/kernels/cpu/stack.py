@@ -183,9 +183,10 @@ class DecodeStack:
         )  # fmt: skip
         if status == -6:
             raise IndexError(f"a logit row outside the step's rows 0 .. {token_ids.shape[0] - 1}")
-        heads = (model.num_q_heads, model.num_kv_heads, model.head_dim)
-        table_rows = min(cos.shape[0] for cos, _ in rope_tables)
-        _raise_for_stack_status(status, "decode stack", num_slots, weights.vocab_rows, table_rows, heads)
+        if status:
+            heads = (model.num_q_heads, model.num_kv_heads, model.head_dim)
+            table_rows = min(cos.shape[0] for cos, _ in rope_tables)
+            _raise_for_stack_status(status, "decode stack", num_slots, weights.vocab_rows, table_rows, heads)
 
 
 class RunRows(NamedTuple):

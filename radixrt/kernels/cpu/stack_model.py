@@ -123,6 +123,11 @@ class LayerExtras(NamedTuple):
     scale: float | None = None  # None: head_dim ** -0.5
     softcap: float = 0.0
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The layer's added biases and norms (the fields before `rope`), None where absent."""
+        return self[:6]
+
 
 class ModelExtras(NamedTuple):
     """A model's features beyond a plain Llama, as the whole-step kernel takes them: the leading
