@@ -23,6 +23,7 @@ pieces, in the same order, whatever else the step holds (`docs/determinism.md`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,15 +98,12 @@ def aligned_attention_segments(
     """
     kv_starts = batch.kv_offsets[:-1]
     q_starts = batch.qo_offsets[:-1]
-    shared_chunks: dict[int, tuple[int, int]] = {}  # sequence -> (its group's first member, shared whole chunks)
-    if batch.num_seqs > 1:
-        for prefix in find_shared_prefixes(batch.kv_indices, kv_starts, batch.prefix_lens, shared_prefix_min_tokens):
-            for member in prefix.members:
-                shared_chunks[member] = (prefix.members[0], prefix.length // chunk)
+    shared_chunks = shared_chunk_owners(batch.kv_indices, kv_starts, batch.prefix_lens, shared_prefix_min_tokens,
+                                        chunk)
     # (chunk index, start in kv_indices, length) -> rows; dicts keep the order segments were first met
     segments: dict[tuple[int, int, int], list[int]] = {}
     for i, (prefix_len, extend_len) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
-        owner, num_shared = shared_chunks.get(i, (i, 0))
+        owner, num_shared = shared_chunks[i]
         row0 = q_starts[i] - prefix_len  # the row of position p is row0 + p
         for k in range((prefix_len + extend_len) // chunk):
             # positions that see all of chunk k: from its last key on, and (window) while its first is in sight
@@ -127,6 +125,19 @@ def aligned_attention_segments(
     ordered = sorted(segments.items(), key=lambda item: item[0][0])  # stable: key order within every row
     return _as_tensors([start for (_, start, _), _ in ordered], [length for (_, _, length), _ in ordered],
                        [segment_rows for _, segment_rows in ordered])
+
+
+def shared_chunk_owners(kv_indices: torch.Tensor, kv_starts: Sequence[int], prefix_lens: Sequence[int],
+                        shared_prefix_min_tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """Per sequence, the first member of its group sharing a prefix of slots (itself if none) and
+    how many whole `chunk`s of keys that prefix holds (0 if none): whose rows read a shared
+    chunk once for the whole group."""
+    owners = [(i, 0) for i in range(len(prefix_lens))]
+    if len(prefix_lens) > 1:
+        for prefix in find_shared_prefixes(kv_indices, kv_starts, prefix_lens, shared_prefix_min_tokens):
+            for member in prefix.members:
+                owners[member] = (prefix.members[0], prefix.length // chunk)
+    return owners
 
 
 def _as_tensors(starts: list[int], lens: list[int], rows: list[list[int]]) -> AttentionSegments:

@@ -36,8 +36,12 @@ import torch
 from radixrt.kernels import cpu
 from radixrt.kernels.base import AttentionBackend, LayerAttention
 from radixrt.kernels.forward_batch import ForwardBatch
-from radixrt.kernels.segments import AttentionSegments, aligned_attention_segments, attention_segments
-from radixrt.kernels.shared_prefix import find_shared_prefixes
+from radixrt.kernels.segments import (
+    AttentionSegments,
+    aligned_attention_segments,
+    attention_segments,
+    shared_chunk_owners,
+)
 from radixrt.model import linear
 from radixrt.model.int4_layer import Int4DecodeStack
 from radixrt.model.llama import LlamaForCausalLM
@@ -165,11 +169,8 @@ class WholeStep:
         for length in lengths[:-1]:
             starts.append(starts[-1] + length)
         all_slots = torch.cat(list(slots))
-        owner, shared_chunks = list(range(len(tokens))), [0] * len(tokens)
-        if len(tokens) > 1:
-            for prefix in find_shared_prefixes(all_slots, starts, positions, backend.shared_prefix_min_tokens):
-                for member in prefix.members:
-                    owner[member], shared_chunks[member] = prefix.members[0], prefix.length // chunk
+        owners = shared_chunk_owners(all_slots, starts, positions, backend.shared_prefix_min_tokens, chunk)
+        owner, shared_chunks = zip(*owners)
         index = torch.tensor([*tokens, *positions, *starts, *owner, *shared_chunks], dtype=torch.int64)
         count = len(tokens)
         rows = cpu.RunRows(index[:count], index[count : 2 * count], all_slots, index[2 * count : 3 * count],
