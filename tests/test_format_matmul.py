@@ -275,3 +275,22 @@ def test_the_avx512_kernel_gives_the_avx2_kernels_bits_and_a_row_its_own_at_any_
     for threads in (2, 3):
         with cpu.kernel_threads(threads):
             assert torch.equal(avx512(x, wide, torch.empty(m, num_rows)), whole)
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_every_split_between_amx_tiles_and_vpdpwssd_blocks_gives_the_avx2_kernels_bits(name):
+    """Where the CPU has AMX, kquant_avx512.h's amx_rows gives the tiles whole blocks of 16 rows
+    and, past a format's least count, a partial block padded with zero rows; the rest go to the
+    VPDPWSSD blocks. Every M across those thresholds gives the AVX2 kernel's bits, and so every
+    row its own bits whichever path took it."""
+    avx512, avx2 = _avx512_and_avx2()
+    rng = np.random.default_rng(7)
+    num_rows, num_cols = 48, BLOCKS[FORMATS[name]][0] * 2
+    file_rows = torch.from_numpy(random_blocks(name, num_rows, num_cols, rng))
+    wide, narrow = avx512.pack_blocks(FORMATS[name], file_rows), avx2.pack_blocks(FORMATS[name], file_rows)
+    x = torch.from_numpy(rng.standard_normal((40, num_cols)).astype(np.float32)).to(torch.bfloat16)
+    alone = avx2(x, narrow, torch.empty(40, num_rows))
+    for m in range(1, 41):
+        for threads in (1, 2):
+            with cpu.kernel_threads(threads):
+                assert torch.equal(avx512(x[:m], wide, torch.empty(m, num_rows)), alone[:m]), (name, m, threads)

@@ -130,10 +130,25 @@ static inline __attribute__((always_inline)) void scale_into(int format, const u
     }
 }
 
-/* kquant_matmul_amx.c: rows [0, full) of x (a multiple of AMX_ROWS) times tiles [first_tile,
- * last_tile) on AMX's int8 tiles, the VPDPWSSD blocks' bits; scratch: kquant_amx_scratch_bytes.
+/* kquant_matmul_amx.c: rows [0, full) of x (amx_rows) times tiles [first_tile, last_tile) on
+ * AMX's int8 tiles, the VPDPWSSD blocks' bits; scratch: kquant_amx_scratch_bytes. The byte planes
+ * hold amx_padded(full) rows, a partial block's missing rows zero.
  * kquant_amx_usable is 0 where the build or the CPU has no AMX-INT8 or Linux refuses its state. */
 #define AMX_ROWS 16
+static inline int64_t amx_padded(int64_t rows) { return (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS; }
+/* The rows of an m-row step the tiles take: every whole block of AMX_ROWS, and the last partial
+ * block where the tiles are no slower than the VPDPWSSD blocks on it (docs/benchmarks.md). Alone
+ * it pays for decoding the tiles' codes, so it needs more rows (Q6_K's 16-input sub-blocks make
+ * twice the tile products); after whole blocks the codes are decoded already. The two paths'
+ * bits are the same, so the split changes only the time. */
+#define AMX_LEAST_AFTER_WHOLE 2
+static inline int amx_least_alone(int format) {
+    return format == FORMAT_Q4_K ? 5 : format == FORMAT_Q6_K ? 10 : 9;
+}
+static inline int64_t amx_rows(int format, int64_t m) {
+    const int64_t whole = m / AMX_ROWS * AMX_ROWS;
+    return m - whole >= (whole > 0 ? AMX_LEAST_AFTER_WHOLE : amx_least_alone(format)) ? m : whole;
+}
 int kquant_amx_usable(void);
 int64_t kquant_amx_scratch_bytes(int64_t num_cols);
 void kquant_amx_tiles(int format, const uint8_t *tiles, const IntegerRows *rows, int64_t full, int64_t num_cols,

@@ -1,8 +1,9 @@
 /*
- * kquant_matmul_avx512.c's product for steps of AMX_ROWS rows and more (prefill chunks) on AMX's
- * int8 tiles, where the CPU has them: the same integer sums, so the same bits as the VPDPWSSD
- * blocks (and a row's result still does not depend on its batch). x16 = 256 high + low (high
- * signed, low unsigned bytes: integer_rows' planes); a tile's codes, decoded once for every row
+ * kquant_matmul_avx512.c's product for the rows amx_rows gives the tiles (whole blocks of
+ * AMX_ROWS, and a partial block where that is no slower) on AMX's int8 tiles, where the CPU has
+ * them: the same integer sums, so the same bits as the VPDPWSSD blocks (and a row's result
+ * still does not depend on its batch). x16 = 256 high + low (high signed, low unsigned bytes:
+ * integer_rows' planes); a tile's codes, decoded once for every row
  * of a panel as bytes q - bias, are the B operand: row kk of a sub-block's codes holds each
  * output's 4 codes k = 4 kk .. 4 kk + 3. Per sub-block (32 inputs; Q6_K 16) and 16 rows of x,
  * TDPBSSD and TDPBUSD give the two planes' int32 sums, 256 high_sum + low_sum is the VPDPWSSD
@@ -85,8 +86,9 @@ static inline __attribute__((always_inline)) void decode_group_bytes(int format,
     }
 }
 
-/* One tile times rows [first_row, last_row) of x (a multiple of AMX_ROWS); codes: the tile's
- * decoded bytes (K * 16), sums: 2 x 16 x 16 int32. */
+/* One tile times rows [first_row, last_row) of x (first_row a multiple of AMX_ROWS; a partial
+ * last block's tile products run on its zero rows, which are neither scaled nor stored); codes:
+ * the tile's decoded bytes (K * 16), sums: 2 x 16 x 16 int32. */
 static inline __attribute__((always_inline)) void amx_tile(int format, const uint8_t *tiles, int64_t units,
                                                           const IntegerRows *rows, int64_t first_row,
                                                           int64_t last_row, int64_t num_cols, int64_t tile,
@@ -101,6 +103,7 @@ static inline __attribute__((always_inline)) void amx_tile(int format, const uin
             decode_group_bytes(format, first + u * unit_bytes, g, codes + (u * unit_groups + g) * 8 * 64);
     const int64_t steps = units * unit_groups * subs;  /* sub-blocks of the tile's inputs */
     for (int64_t r0 = first_row; r0 < last_row; r0 += AMX_ROWS) {
+        const int live = last_row - r0 < AMX_ROWS ? (int)(last_row - r0) : AMX_ROWS;
         __m512 acc[AMX_ROWS];
         for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
         /* Sub-block i's products go to tmm0, tmm1 (i even) or tmm5, tmm6 (odd) while sub-block
@@ -136,14 +139,14 @@ static inline __attribute__((always_inline)) void amx_tile(int format, const uin
                 _tile_stored(1, own + AMX_ROWS * 16, 64);
             }
             __m512i dots[AMX_ROWS];
-            for (int r = 0; r < AMX_ROWS; r++)
+            for (int r = 0; r < live; r++)
                 dots[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(own + 16 * r), 8),
                                            _mm512_loadu_si512(own + AMX_ROWS * 16 + 16 * r));
             const int64_t first_group = r0 * all_groups + u * unit_groups;
-            scale_into(format, first + u * unit_bytes, subs * g + h, g, acc, dots, AMX_ROWS, rows->scale + first_group,
+            scale_into(format, first + u * unit_bytes, subs * g + h, g, acc, dots, live, rows->scale + first_group,
                        h + 1 == subs ? rows->offset_x + first_group : NULL, all_groups);
         }
-        for (int r = 0; r < AMX_ROWS; r++) {
+        for (int r = 0; r < live; r++) {
             const int64_t at = (r0 + r) * out_stride + tile * LAYOUT_TILE_ROWS;
             if (out_bf16 != NULL)
                 _mm256_storeu_si256((__m256i *)(out_bf16 + at), (__m256i)_mm512_cvtneps_pbh(acc[r]));

@@ -18,9 +18,9 @@
  * range and the threads, so a row's result does not depend on its batch.
  *
  * Blocks of tiles times up to MAX_ROWS rows of x, each decoded chunk used by every row of the
- * block; each tile's stream of codes asked for ahead of its loads. Steps of AMX_ROWS rows and
- * more give all but their last M mod AMX_ROWS rows to kquant_matmul_amx.c's tiles where the CPU
- * has them: the same integers, the same bits.
+ * block; each tile's stream of codes asked for ahead of its loads. Where the CPU has AMX, the
+ * rows amx_rows names (whole blocks of AMX_ROWS, and a last partial block where the tiles are no
+ * slower) go to kquant_matmul_amx.c's tiles instead: the same integers, the same bits.
  */
 #include <stdint.h>
 #include <string.h>
@@ -45,7 +45,11 @@ static IntegerRows integer_rows(const uint16_t *x, int64_t x_stride, int64_t m, 
     int16_t *x16 = (int16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *scale = (float *)(x16 + m * num_cols), *offset_x = scale + m * groups;
     int8_t *high = planes ? (int8_t *)(offset_x + m * groups) : NULL;
-    uint8_t *low = planes ? (uint8_t *)(high + m * num_cols) : NULL;
+    uint8_t *low = planes ? (uint8_t *)(high + planes * num_cols) : NULL;
+    if (planes > m) {  /* a partial last block's missing rows: zeros, so its tiles read no stale bytes */
+        memset(high + (planes - AMX_ROWS) * num_cols, 0, (size_t)(AMX_ROWS * num_cols));
+        memset(low + (planes - AMX_ROWS) * num_cols, 0, (size_t)(AMX_ROWS * num_cols));
+    }
     for (int64_t r = 0; r < m; r++) {
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t *xs = x + r * x_stride + g * LAYOUT_GROUP;
@@ -196,23 +200,23 @@ static void run_block(int format, const uint8_t *tiles, int64_t units, const Int
 #undef BLOCK
 }
 
-int64_t kquant_matmul_scratch_bytes_avx512(int64_t m, int64_t num_cols) {
+int64_t kquant_matmul_scratch_bytes_avx512(int format, int64_t m, int64_t num_cols) {
     /* x16, then s and s sum x16 per 32 inputs; for the AMX tiles the byte planes and theirs */
     return 64 + m * num_cols * (int64_t)sizeof(int16_t) + m * (num_cols / LAYOUT_GROUP) * 2 * (int64_t)sizeof(float) +
-           (m >= AMX_ROWS ? 2 * m * num_cols + kquant_amx_scratch_bytes(num_cols) : 0);
+           (amx_rows(format, m) > 0 ? 2 * amx_padded(m) * num_cols + kquant_amx_scratch_bytes(num_cols) : 0);
 }
 
 void kquant_matmul_tiles_avx512(int format, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles,
                                 int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
                                 int64_t first_tile, int64_t last_tile) {
     if (m <= 0 || !layout_serves(format) || first_tile >= last_tile) return;
-    const int64_t full = m >= AMX_ROWS && kquant_amx_usable() ? m / AMX_ROWS * AMX_ROWS : 0;  /* the tiles' rows */
-    const IntegerRows rows = integer_rows(x, x_stride, m, num_cols, scratch, full);
+    const int64_t full = kquant_amx_usable() ? amx_rows(format, m) : 0;  /* the tiles' rows */
+    const IntegerRows rows = integer_rows(x, x_stride, m, num_cols, scratch, amx_padded(full));
     const int64_t units = num_cols / layout_unit_inputs(format);
     const Table table = integer_table(format);
     if (full > 0)
-        kquant_amx_tiles(format, tiles, &rows, full, num_cols, first_tile, last_tile, (void *)(rows.low + m * num_cols),
-                         out, num_rows, out_bf16);
+        kquant_amx_tiles(format, tiles, &rows, full, num_cols, first_tile, last_tile,
+                         (void *)(rows.low + amx_padded(full) * num_cols), out, num_rows, out_bf16);
     /* The rest: a block of tiles is multiplied by every block of rows while its codes are in cache. */
     for (int64_t tile = first_tile, nt; tile < last_tile; tile += nt) {
         nt = m - full <= MAX_ROWS ? tiles_per_block((int)(m - full), last_tile - tile) : 1;
