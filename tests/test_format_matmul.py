@@ -280,9 +280,9 @@ def test_the_avx512_kernel_gives_the_avx2_kernels_bits_and_a_row_its_own_at_any_
 @pytest.mark.parametrize("name", NATIVE)
 def test_every_split_between_amx_tiles_and_vpdpwssd_blocks_gives_the_avx2_kernels_bits(name):
     """Where the CPU has AMX, kquant_avx512.h's amx_rows gives the tiles whole blocks of 16 rows
-    and, past a format's least count, a partial block padded with zero rows; the rest go to the
-    VPDPWSSD blocks. Every M across those thresholds gives the AVX2 kernel's bits, and so every
-    row its own bits whichever path took it."""
+    and a last partial block of 8 rows or more, padded with zero rows; the rest go to the
+    VPDPWSSD blocks. Every M up to 40 (each split of those) gives the AVX2 kernel's bits, and so
+    every row its own bits whichever path took it."""
     avx512, avx2 = _avx512_and_avx2()
     rng = np.random.default_rng(7)
     num_rows, num_cols = 48, BLOCKS[FORMATS[name]][0] * 2

@@ -76,7 +76,7 @@ void kquant_dequantize_tiles_bf16(int format, const uint8_t *tiles, int64_t num_
 void kquant_matmul_tiles_avx512(int format, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles,
                                 int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
                                 int64_t first_tile, int64_t last_tile);
-int64_t kquant_matmul_scratch_bytes_avx512(int format, int64_t m, int64_t num_cols);
+int64_t kquant_matmul_scratch_bytes_avx512(int64_t m, int64_t num_cols);
 /* kquant_dequantize_avx512.c (AVX-512 builds only): kquant_dequantize_tiles_bf16's contract and
  * bits; the second for quantized_matmul.c's 4-bit tiles of Q4_0/Q4_1 rows */
 void kquant_dequantize_tiles_bf16_avx512(int format, const uint8_t *tiles, int64_t num_cols, int64_t first_row,

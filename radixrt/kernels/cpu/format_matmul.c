@@ -52,7 +52,7 @@ int64_t radixrt_format_matmul_scratch_bytes(int format, int64_t m, int64_t num_c
     if (delegated_bits(format)) return radixrt_quantized_matmul_scratch_bytes(m, num_cols);
     int64_t bytes = kquant_matmul_scratch_bytes_portable(m, num_cols);
 #if RADIXRT_ISA_AVX512
-    const int64_t simd = kquant_matmul_scratch_bytes_avx512(format, m, num_cols);
+    const int64_t simd = kquant_matmul_scratch_bytes_avx512(m, num_cols);
     if (simd > bytes) bytes = simd;
 #elif RADIXRT_ISA_AVX2 && !RADIXRT_ISA_AVX512
     const int64_t simd = kquant_matmul_scratch_bytes_avx2(m, num_cols);

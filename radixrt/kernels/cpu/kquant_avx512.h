@@ -91,6 +91,8 @@ static inline __attribute__((always_inline)) __m512 sub_scales(int format, const
     return d;
 }
 
+#define PREFETCH_BYTES 5120  /* a block's bytes in flight, as quantized_matmul.c's 4-bit kernel */
+
 /* A step's rows of x as 16-bit integers per group of 32 (kquant_matmul_avx512.c's integer_rows):
  * what the VPDPWSSD blocks and the AMX tiles (kquant_matmul_amx.c) read. */
 typedef struct {
@@ -136,18 +138,16 @@ static inline __attribute__((always_inline)) void scale_into(int format, const u
  * kquant_amx_usable is 0 where the build or the CPU has no AMX-INT8 or Linux refuses its state. */
 #define AMX_ROWS 16
 static inline int64_t amx_padded(int64_t rows) { return (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS; }
-/* The rows of an m-row step the tiles take: every whole block of AMX_ROWS, and the last partial
- * block where the tiles are no slower than the VPDPWSSD blocks on it (docs/benchmarks.md). Alone
- * it pays for decoding the tiles' codes, so it needs more rows (Q6_K's 16-input sub-blocks make
- * twice the tile products); after whole blocks the codes are decoded already. The two paths'
- * bits are the same, so the split changes only the time. */
-#define AMX_LEAST_AFTER_WHOLE 2
-static inline int amx_least_alone(int format) {
-    return format == FORMAT_Q4_K ? 5 : format == FORMAT_Q6_K ? 10 : 9;
-}
-static inline int64_t amx_rows(int format, int64_t m) {
+/* The rows of an m-row step the tiles take: every whole block of AMX_ROWS, and a last partial
+ * block of AMX_LEAST_AFTER_WHOLE rows or more, whose tile products then cost less than the
+ * VPDPWSSD blocks' pass over the weight for its rows (docs/kernels.md). A step of fewer than
+ * AMX_ROWS rows stays on the VPDPWSSD blocks, which decode the codes in registers; the tiles
+ * decode them into memory first. The two paths' bits are the same, so the split changes only
+ * the time. */
+#define AMX_LEAST_AFTER_WHOLE 8
+static inline int64_t amx_rows(int64_t m) {
     const int64_t whole = m / AMX_ROWS * AMX_ROWS;
-    return m - whole >= (whole > 0 ? AMX_LEAST_AFTER_WHOLE : amx_least_alone(format)) ? m : whole;
+    return whole > 0 && m - whole >= AMX_LEAST_AFTER_WHOLE ? m : whole;
 }
 int kquant_amx_usable(void);
 int64_t kquant_amx_scratch_bytes(int64_t num_cols);

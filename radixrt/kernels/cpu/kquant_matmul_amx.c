@@ -1,6 +1,6 @@
 /*
  * kquant_matmul_avx512.c's product for the rows amx_rows gives the tiles (whole blocks of
- * AMX_ROWS, and a partial block where that is no slower) on AMX's int8 tiles, where the CPU has
+ * AMX_ROWS, and a last partial block of enough rows) on AMX's int8 tiles, where the CPU has
  * them: the same integer sums, so the same bits as the VPDPWSSD blocks (and a row's result
  * still does not depend on its batch). x16 = 256 high + low (high signed, low unsigned bytes:
  * integer_rows' planes); a tile's codes, decoded once for every row
@@ -98,9 +98,19 @@ static inline __attribute__((always_inline)) void amx_tile(int format, const uin
     const int subs = format == FORMAT_Q6_K ? 2 : 1, sub_inputs = LAYOUT_GROUP / subs;
     const int64_t all_groups = num_cols / LAYOUT_GROUP;
     const uint8_t *first = tiles + tile * units * unit_bytes;
-    for (int64_t u = 0; u < units; u++)
-        for (int g = 0; g < unit_groups; g++)
-            decode_group_bytes(format, first + u * unit_bytes, g, codes + (u * unit_groups + g) * 8 * 64);
+    const int lines = (unit_bytes + 63) / 64;
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *unit = first + u * unit_bytes;
+        for (int g = 0; g < unit_groups; g++) {
+            /* the stream PREFETCH_BYTES on (into L1) and three times that (into L2), a group's
+             * share of the unit's lines with each group; past the tile's end lies the next tile */
+            for (int line = g * lines / unit_groups; line < (g + 1) * lines / unit_groups; line++) {
+                _mm_prefetch((const char *)unit + 64 * line + PREFETCH_BYTES, _MM_HINT_NTA);
+                _mm_prefetch((const char *)unit + 64 * line + 3 * PREFETCH_BYTES, _MM_HINT_T1);
+            }
+            decode_group_bytes(format, unit, g, codes + (u * unit_groups + g) * 8 * 64);
+        }
+    }
     const int64_t steps = units * unit_groups * subs;  /* sub-blocks of the tile's inputs */
     for (int64_t r0 = first_row; r0 < last_row; r0 += AMX_ROWS) {
         const int live = last_row - r0 < AMX_ROWS ? (int)(last_row - r0) : AMX_ROWS;

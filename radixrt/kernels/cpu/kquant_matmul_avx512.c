@@ -19,8 +19,8 @@
  *
  * Blocks of tiles times up to MAX_ROWS rows of x, each decoded chunk used by every row of the
  * block; each tile's stream of codes asked for ahead of its loads. Where the CPU has AMX, the
- * rows amx_rows names (whole blocks of AMX_ROWS, and a last partial block where the tiles are no
- * slower) go to kquant_matmul_amx.c's tiles instead: the same integers, the same bits.
+ * rows amx_rows names (whole blocks of AMX_ROWS, and a last partial block of enough rows) go to
+ * kquant_matmul_amx.c's tiles instead: the same integers, the same bits.
  */
 #include <stdint.h>
 #include <string.h>
@@ -33,7 +33,6 @@
 
 #define MAX_TILES 4
 #define MAX_ROWS 8
-#define PREFETCH_BYTES 5120  /* a block's bytes in flight, as quantized_matmul.c's 4-bit kernel */
 #define X16_MAX 32767
 #define TINY 0x1p-64f  /* groups below it count as zeros: X16_MAX / max|x| stays finite */
 
@@ -90,24 +89,22 @@ static inline __m512i broadcast_pair(const int16_t *p) {
 
 /*
  * Each tile's stream is asked for PREFETCH_BYTES / nt bytes on (near, the non-temporal hint), so
- * that a block keeps about as much in flight as quantized_matmul.c's 4-bit kernel, and with a
- * single row (memory-bound) three times as far into L2 as well: one request per load, line
+ * that a block keeps about as much in flight as quantized_matmul.c's 4-bit kernel, and three
+ * times as far into L2 as well, for one row or many: one request per load, line
  * `line` of the unit on from this one (a unit has no more lines than loads, so the requests keep
  * pace with the reads). Requests that would pass the tile's end go to the next block's tile
  * instead of the tile after (already in this block). quantized_matmul.c's prefetch_next_group
  * says why each of these holds.
  */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *unit, int format, int line, int nt,
-                                                                int64_t u, int64_t units, int far) {
+                                                                int64_t u, int64_t units) {
     const int unit_bytes = layout_unit_bytes(format);
     if (64 * line >= unit_bytes) return;
     const int64_t near = PREFETCH_BYTES / nt, at = u * unit_bytes + 64 * line, tile_bytes = units * unit_bytes;
     const int64_t wrap_near = at + near >= tile_bytes ? (int64_t)(nt - 1) * tile_bytes : 0;
+    const int64_t wrap_far = at + 3 * near >= tile_bytes ? (int64_t)(nt - 1) * tile_bytes : 0;
     _mm_prefetch((const char *)unit + 64 * line + near + wrap_near, _MM_HINT_NTA);
-    if (far) {
-        const int64_t wrap_far = at + 3 * near >= tile_bytes ? (int64_t)(nt - 1) * tile_bytes : 0;
-        _mm_prefetch((const char *)unit + 64 * line + 3 * near + wrap_far, _MM_HINT_T1);
-    }
+    _mm_prefetch((const char *)unit + 64 * line + 3 * near + wrap_far, _MM_HINT_T1);
 }
 
 /* A block's results, tile t and row r in acc[t][r]: bf16 when out_bf16 is not NULL, else fp32. */
@@ -149,7 +146,7 @@ static inline __attribute__((always_inline)) void format_block(
             _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
                 _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {
                     const uint8_t *own = unit + t * tile_bytes;
-                    prefetch_ahead(own, format, 8 * g + c, nt, u, units, mb == 1);
+                    prefetch_ahead(own, format, 8 * g + c, nt, u, units);
                     const uint8_t *plane = own + layout_high_at(format) + high_bytes * g;
                     if (high_bytes == 64 && c % 4 == 0)
                         high[t] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(plane + 32 * (c / 4))));
@@ -200,17 +197,17 @@ static void run_block(int format, const uint8_t *tiles, int64_t units, const Int
 #undef BLOCK
 }
 
-int64_t kquant_matmul_scratch_bytes_avx512(int format, int64_t m, int64_t num_cols) {
+int64_t kquant_matmul_scratch_bytes_avx512(int64_t m, int64_t num_cols) {
     /* x16, then s and s sum x16 per 32 inputs; for the AMX tiles the byte planes and theirs */
     return 64 + m * num_cols * (int64_t)sizeof(int16_t) + m * (num_cols / LAYOUT_GROUP) * 2 * (int64_t)sizeof(float) +
-           (amx_rows(format, m) > 0 ? 2 * amx_padded(m) * num_cols + kquant_amx_scratch_bytes(num_cols) : 0);
+           (m >= AMX_ROWS ? 2 * amx_padded(m) * num_cols + kquant_amx_scratch_bytes(num_cols) : 0);
 }
 
 void kquant_matmul_tiles_avx512(int format, const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *tiles,
                                 int64_t num_rows, int64_t num_cols, float *out, uint16_t *out_bf16, void *scratch,
                                 int64_t first_tile, int64_t last_tile) {
     if (m <= 0 || !layout_serves(format) || first_tile >= last_tile) return;
-    const int64_t full = kquant_amx_usable() ? amx_rows(format, m) : 0;  /* the tiles' rows */
+    const int64_t full = kquant_amx_usable() ? amx_rows(m) : 0;  /* the tiles' rows */
     const IntegerRows rows = integer_rows(x, x_stride, m, num_cols, scratch, amx_padded(full));
     const int64_t units = num_cols / layout_unit_inputs(format);
     const Table table = integer_table(format);

@@ -45,9 +45,10 @@ QuantizedTiles radixrt_quantized_matmul_tiles_avx512;
  * request per load, so that a block of nt tiles keeps about PREFETCH_BYTES in flight (the
  * out-of-order window alone sees too little ahead). The hint is non-temporal: the codes are read
  * once a step. Near a tile's end the next block's tile is asked for instead (the tile after this
- * one is in this block, already read). A single row (`far`, memory-bound) also asks for the same
- * line three times as far on, into L2: near requests into L1 hold the core's few L1 miss buffers,
- * the far ones fill L2's deeper queue. A 4-bit block is 5 lines over 8 chunks: its far requests go
+ * one is in this block, already read). The SIMD kernels (`far`) also ask for the same line three
+ * times as far on, into L2, whatever the block's rows: near requests into L1 hold the core's few
+ * L1 miss buffers, the far ones fill L2's deeper queue, and a block of several rows waits on
+ * memory as a single row does. A 4-bit block is 5 lines over 8 chunks: its far requests go
  * with chunks 2-6, spread over the group's work. In a share's last block the requests run past
  * the thread's tiles; keeping them inside cost more than the stray lines (a check per load).
  * docs/kernels.md, "Quantized matmul: prefetching", has the measurements behind each choice.

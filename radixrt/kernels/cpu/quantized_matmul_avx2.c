@@ -121,7 +121,7 @@ static inline __attribute__((always_inline)) void nibble_block(
             _Pragma("GCC unroll 4") for (int r = 0; r < mb; r++) dot[t][r][0] = dot[t][r][1] = _mm256_setzero_si256();
         for (int c = 0; c < CHUNKS; c++) {
             _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {
-                prefetch_next_group(group + t * tile_stride, 4, c, nt, g, groups, mb == 1);
+                prefetch_next_group(group + t * tile_stride, 4, c, nt, g, groups, 1);
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(group + t * tile_stride + CHUNK_BYTES(4) * c));
                 __m256i low[2], high[2];
                 _Pragma("GCC unroll 4") for (int h = 0; h < 2; h++) {
@@ -173,7 +173,7 @@ static inline __attribute__((always_inline)) void byte_block(
                 _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) parts[t][r][i] = _mm256_setzero_si256();
         for (int c = 0; c < CHUNKS; c++) {
             _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++) {
-                prefetch_next_group(group + t * tile_stride, 8, c, nt, g, groups, mb == 1);
+                prefetch_next_group(group + t * tile_stride, 8, c, nt, g, groups, 1);
                 const uint8_t *codes = group + t * tile_stride + CHUNK_BYTES(8) * c;
                 __m256i q[4];
                 _Pragma("GCC unroll 4") for (int half = 0; half < 2; half++) {

@@ -86,7 +86,7 @@ static inline __attribute__((always_inline)) void nibble_block(
         for (int c = 0; c < CHUNKS; c++) {
             _Pragma("GCC unroll 16") for (int t = 0; t < nt; t++) {
                 const uint8_t *group = tiles + ((tile + t) * groups + g) * BLOCK_BYTES(bits);
-                prefetch_next_group(group, bits, c, nt, g, groups, mb == 1);
+                prefetch_next_group(group, bits, c, nt, g, groups, 1);
                 __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(group + CHUNK_BYTES(bits) * c)));
                 __m512bh low_codes = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
                 __m512bh high_codes = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
@@ -195,7 +195,7 @@ static inline __attribute__((always_inline)) void byte_block(
             _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) dot_hi[t][r] = dot_lo[t][r] = _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int c = 0; c < CHUNKS; c++) {
             _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
-                prefetch_next_group(group + t * tile_stride, 8, c, nt, g, groups, mb == 1);
+                prefetch_next_group(group + t * tile_stride, 8, c, nt, g, groups, 1);
                 const __m512i codes = _mm512_loadu_si512(group + t * tile_stride + CHUNK_BYTES(8) * c);
                 _Pragma("GCC unroll 8") for (int r = 0; r < mb; r++) {
                     const int64_t at = r * num_cols + g * GROUP + 4 * c;
