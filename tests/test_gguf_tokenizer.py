@@ -255,7 +255,9 @@ def test_built_record_equals_transformers(tokenizer_file):
 def test_a_built_tokenizer_serves_other_attributes_from_transformers(gguf_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
     path = write_tokenizer_gguf(gguf_dir / "fallback.gguf", **CASES["llama-spm"])
-    _, tokenizer, _ = gguf_loader.config_and_tokenizer(GGUFFile(path))
+    file = GGUFFile(path)
+    config, hf_config, _ = gguf_loader.config_of(file)
+    tokenizer = gguf_loader.tokenizer_of(file, hf_config, config)
     assert isinstance(tokenizer, Tokenizer) and tokenizer._transformers is None
     theirs = transformers_tokenizer(path)
     assert tokenizer.get_vocab() == theirs.get_vocab()

@@ -69,13 +69,6 @@ def is_native_architecture(file: GGUFFile) -> bool:
     return file.architecture in NATIVE_ARCHITECTURES
 
 
-def config_and_tokenizer(file: GGUFFile) -> tuple[ModelConfig, Any, Callable[[], Any]]:
-    """The model config (from the file's metadata: `gguf_config`), the tokenizer (`tokenizer_of`)
-    and a reader of the transformers config."""
-    config, hf_config, read_hf_config = config_of(file)
-    return config, tokenizer_of(file, hf_config, config), read_hf_config
-
-
 def config_of(file: GGUFFile) -> tuple[ModelConfig, gguf_config.MetadataConfig, Callable[[], Any]]:
     """The model config, the Hugging Face config it was read from (both from the metadata) and a
     reader of the transformers config (which imports transformers on its first call)."""
