@@ -72,8 +72,8 @@ def enabled() -> bool:
 
 def copy_path(name: str, sources: Sequence[Path], packed: object, library: str | None) -> Path | None:
     """Where the copy of the weights packed from the files `sources` lives: `packed` says what
-    was packed from them and how (plain data, hashed through its repr), `library` is the
-    kernels' library that packed it. None where copies are off, or without a library or sources.
+    was packed from them and how (plain data, hashed through its repr), `library` is the name of
+    the kernels' library that packed it (`cpu.library_name`). None where copies are off, or without a library or sources.
     The key holds each source's path, device, inode, size and modification time, so a changed
     file is packed again."""
     if library is None or not sources or not enabled():
@@ -82,7 +82,7 @@ def copy_path(name: str, sources: Sequence[Path], packed: object, library: str |
     for source in sources:
         stat = source.stat()
         files.append((str(source.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
-    digest = hashlib.sha256(b"\0".join([_FORMAT, repr((files, packed)).encode(), Path(library).name.encode()]))
+    digest = hashlib.sha256(b"\0".join([_FORMAT, repr((files, packed)).encode(), library.encode()]))
     root = Path(__file__).resolve().parents[1]
     for layout in _LAYOUT_SOURCES:
         digest.update(b"\0" + (root / layout).read_bytes())

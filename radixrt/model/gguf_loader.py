@@ -185,10 +185,8 @@ def _slots(file: GGUFFile, plan: TensorPlan, dtype: torch.dtype) -> _Buffer | No
     if plan.head is not None and _packs([plan.head], dtype):
         slots.append([plan.head])
     sizes = [_packed_bytes(parts) for parts in slots]
-    library = cpu.load_library()
     packed = (str(dtype), [[(part.name, part.type_name) for part in parts] for parts in slots], sizes)
-    return _Buffer(sizes, packed_copy.copy_path(file.path.stem, [file.path], packed,
-                                                None if library is None else library._name))
+    return _Buffer(sizes, packed_copy.copy_path(file.path.stem, [file.path], packed, cpu.library_name()))
 
 
 def _packs(parts: list[GGUFTensor], dtype: torch.dtype) -> bool:

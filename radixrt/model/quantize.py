@@ -205,10 +205,8 @@ def _copy_path(sources: Sequence[Path], quantize: str, dtype: torch.dtype, sizes
     after the GGUF file or the folder of the weight files."""
     if not sources:
         return None
-    library = cpu.load_library()
     name = sources[0].stem if sources[0].suffix == ".gguf" else sources[0].parent.name
-    return packed_copy.copy_path(name, sources, (quantize, str(dtype), sizes),
-                                 None if library is None else library._name)
+    return packed_copy.copy_path(name, sources, (quantize, str(dtype), sizes), cpu.library_name())
 
 
 def quantize_checkpoint(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor], config: ModelConfig,

@@ -70,7 +70,7 @@ from radixrt.kernels.cpu.attention import (
     supports,
     supports_segments,
 )
-from radixrt.kernels.cpu.library import MAX_GROUP, MAX_HEAD_DIM, isa, kernel_threads, load_library
+from radixrt.kernels.cpu.library import MAX_GROUP, MAX_HEAD_DIM, isa, kernel_threads, library_name, load_library
 from radixrt.kernels.cpu.matmul import PackedWeight, QuantizedMatmul, RowwiseMatmul, quantized_matmul, rowwise_matmul
 from radixrt.kernels.cpu.rows import (
     RMSNorm,
@@ -112,6 +112,6 @@ __all__ = [
     "RowStats", "RowwiseMatmul", "RunMasks", "RunOutput", "RunPenalties", "RunRows", "RunSampling",
     "StackWeights", "TokenMasks",
     "decode_attention", "decode_run", "decode_stack", "int4_layer", "isa", "kernel_threads", "kv_store",
-    "load_library", "quantized_matmul", "rms_norm", "row_sampler", "row_stats", "rowwise_matmul", "supports",
+    "library_name", "load_library", "quantized_matmul", "rms_norm", "row_sampler", "row_stats", "rowwise_matmul", "supports",
     "supports_segments", "token_masks",
 ]  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -56,6 +57,13 @@ def load_library() -> ctypes.CDLL | None:
         if not _library:
             _library.append(build.library(build.selected_level()))
         return _library[0]
+
+
+def library_name() -> str | None:
+    """The file name of the library in use (`build` names it by a hash of its sources and level),
+    or None where the kernels cannot be built: what bytes packed by these kernels depend on."""
+    library = load_library()
+    return None if library is None else Path(library._name).name
 
 
 def isa() -> str:
