@@ -34,7 +34,6 @@ _PHI3_PROJECTIONS: dict[str, tuple[str, ...]] = {"qkv": ("attn_qkv",), "o": ("at
 # Tensors read into the config, not the model (`gguf_config`): Phi-3's longrope factors and a
 # Llama's per-frequency rope divisors (llama.cpp's Llama 3 rope scaling)
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
-IGNORED = CONFIG_TENSORS
 
 
 @dataclass(frozen=True)

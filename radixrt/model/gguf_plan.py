@@ -19,7 +19,7 @@ import torch
 
 from radixrt.memory.kv_cache import KVShape
 from radixrt.model.config import ModelConfig
-from radixrt.model.gguf_families import IGNORED, layer_tensors, projection_parts
+from radixrt.model.gguf_families import CONFIG_TENSORS, layer_tensors, projection_parts
 from radixrt.model.gguf_file import GGUFFile, GGUFTensor
 from radixrt.model.gguf_int4 import LM_HEAD_TYPES, SUPPORTED_TYPES
 
@@ -50,7 +50,7 @@ def plan_tensors(file: GGUFFile, config: ModelConfig, native: bool, runs: Runs |
         runs = _runs_torch_int4
     expected = _expected_shapes(config)
     missing = sorted(set(expected) - set(file.tensors))
-    extra = sorted(set(file.tensors) - set(expected) - set(IGNORED) - {"output.weight"})
+    extra = sorted(set(file.tensors) - set(expected) - set(CONFIG_TENSORS) - {"output.weight"})
     if missing or extra:
         raise ValueError(f"{file.path}: tensors do not match a {config.architecture} of this config: missing "
                          f"{missing[:6]} ({len(missing)} in all), unexpected {extra[:6]} ({len(extra)} in all)")
@@ -174,7 +174,7 @@ def _loaded_bytes(file: GGUFFile, plan: TensorPlan, config: ModelConfig, dtype: 
             total += _native_bytes(tensor) or 0
             if name == "token_embd.weight" and not looked_up:
                 total += int(np.prod(tensor.shape)) * element  # the embedding's dense table beside the tied head
-        elif name not in IGNORED:
+        elif name not in CONFIG_TENSORS:
             total += int(np.prod(tensor.shape)) * element
     return total
 

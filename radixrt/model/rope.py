@@ -41,9 +41,9 @@ def rope_parameters(head_dim: int, theta: float, scaling: RopeScaling | None,
     "Short" means below `long_position_threshold`; for every rope type but
     "dynamic" and "longrope" that is every position. `freq_factors` (head_dim // 2
     values, or none) divide the base frequencies before `scaling` (None, "linear" or
-    "yarn" with them, as llama.cpp combines them).
+    "yarn" with them, as llama.cpp combines them: `ModelConfig` checks them).
     """
-    factors = _freq_factors(freq_factors, head_dim, scaling)
+    factors = torch.tensor(freq_factors, dtype=torch.float32) if freq_factors else None
     base = 1.0 / (theta ** _exponents(head_dim))
     if factors is not None:
         base = base / factors
@@ -60,18 +60,6 @@ def rope_parameters(head_dim: int, theta: float, scaling: RopeScaling | None,
         return _yarn(head_dim, theta, scaling, factors)
     assert rope_type == "longrope", rope_type
     return _longrope(head_dim, theta, scaling.short_factor), _longrope_attention_factor(scaling)
-
-
-def _freq_factors(freq_factors: tuple[float, ...], head_dim: int, scaling: RopeScaling | None) -> torch.Tensor | None:
-    """The divisors as fp32 (None without any); ValueError where llama.cpp would not run them."""
-    if not freq_factors:
-        return None
-    factors = torch.tensor(freq_factors, dtype=torch.float32)
-    if factors.shape != (head_dim // 2,) or not bool(torch.isfinite(factors).all() and (factors > 0).all()):
-        raise ValueError(f"rope freq_factors must be {head_dim // 2} finite values > 0, got {list(freq_factors)}")
-    if scaling is not None and scaling.rope_type not in ("linear", "yarn"):
-        raise ValueError(f"rope freq_factors combine only with no scaling, linear or yarn, got {scaling.rope_type!r}")
-    return factors
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
